@@ -1,0 +1,1 @@
+"""Host adapters: one thin plugin per engine, implementing :mod:`bcg_plugin.hookspecs`."""

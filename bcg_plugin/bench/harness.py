@@ -1,0 +1,117 @@
+"""``bcg bench vllm|sglang``: every mode in its own process, one result file for the run.
+
+Each engine's per-mode script (``bcg_adapters.<engine>.bench``) takes ``--mode --model --sizes
+--out`` and writes a JSON object with ``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``,
+``capture_s`` and ``graph_mem_gib``. This module runs the modes back to back, stamps the run
+(engine version, model shape, GPU, date) and writes ``<engine>-<model>-<date>.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bcg_plugin.bench.models import shape_summary
+from bcg_plugin.bench.report import environment, plot_latency, write_markdown
+
+ENGINES = {
+    "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
+             "modes": ["eager", "native", "native_ladder", "compile", "bcg"]},
+    "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang",
+               "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
+}
+DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: float) -> dict:
+    spec = ENGINES[engine]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "mode.json"
+        cmd = [sys.executable, "-m", spec["module"], "--mode", mode, "--model", model,
+               "--sizes", ",".join(map(str, sizes)), "--out", str(out)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
+        except subprocess.TimeoutExpired as e:
+            return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (e.stderr or "")[-3000:] if isinstance(e.stderr, str) else ""}
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.exists():
+            return {"error": f"exit code {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-4000:]}
+        data = json.loads(out.read_text())
+        data["wall_s"] = wall
+        return data
+
+
+def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float) -> Path:
+    spec = ENGINES[engine]
+    unknown = [m for m in modes if m not in spec["modes"]]
+    if unknown:
+        raise SystemExit(f"unknown {engine} mode(s) {unknown}; choose from {spec['modes']}")
+    result = {
+        "benchmark": "engine",
+        "engine": engine,
+        "engine_version": importlib.metadata.version(spec["package"]),
+        "model": shape_summary(model),
+        **{k: v for k, v in environment().items() if k in ("gpu", "date")},
+        "env": environment(),
+        "sizes": sizes,
+        "modes": {},
+    }
+    for mode in modes:
+        print(f"[bcg bench] {engine} {mode} ...", flush=True)
+        result["modes"][mode] = run_mode(engine, mode, model, sizes, timeout_s)
+        print(f"[bcg bench] {engine} {mode}: {summary_line(result['modes'][mode])}", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{engine}-{model}-{result['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+    write_markdown(stem.with_suffix(".md"), to_markdown(result))
+    ok = {m: d["e2e_ms"] for m, d in result["modes"].items() if "e2e_ms" in d}
+    plot_latency(stem.with_suffix(".png"), f"{engine} {result['engine_version']}, {model}: end-to-end prefill", ok)
+    return stem.with_suffix(".json")
+
+
+def summary_line(d: dict) -> str:
+    if "error" in d:
+        return f"FAILED ({d['error']})"
+    return "e2e " + " ".join(f"{n}:{v:.2f}" for n, v in d["e2e_ms"].items())
+
+
+def to_markdown(result: dict) -> str:
+    modes = result["modes"]
+    good = {m: d for m, d in modes.items() if "e2e_ms" in d}
+    sizes = [str(n) for n in result["sizes"]]
+    lines = [
+        f"# {result['engine']} {result['engine_version']}: {result['model']['name']} (dummy weights, bf16)",
+        "",
+        f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}. One request of N prompt tokens, "
+        "one output token; every mode in its own process, same run.",
+        "",
+        "## End-to-end generate() median ms",
+        "",
+        "| N | " + " | ".join(good) + " |",
+        "|---|" + "---|" * len(good),
+    ]
+    for n in sizes:
+        lines.append(f"| {n} | " + " | ".join(_fmt(d["e2e_ms"].get(n)) for d in good.values()) + " |")
+    if any(d.get("forward_ms") for d in good.values()):
+        lines += ["", "## Model forward median ms (CUDA events)", "",
+                  "| N | " + " | ".join(good) + " |", "|---|" + "---|" * len(good)]
+        for n in sizes:
+            lines.append(f"| {n} | " + " | ".join(_fmt((d.get("forward_ms") or {}).get(n)) for d in good.values()) + " |")
+    lines += ["", "| mode | init s | capture s | graph memory GiB |", "|---|---|---|---|"]
+    for m, d in good.items():
+        lines.append(f"| {m} | {_fmt(d.get('init_s'))} | {_fmt(d.get('capture_s'))} | {_fmt(d.get('graph_mem_gib'), 3)} |")
+    failed = {m: d for m, d in modes.items() if "error" in d}
+    if failed:
+        lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"

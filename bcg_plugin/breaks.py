@@ -1,0 +1,86 @@
+"""Eager breaks: the calls (attention) that run outside the graph, between captured segments.
+
+Built on ``breakable_cuda_graphs.no_graph``, which ends the current segment, runs the call, records
+it as a replay step and begins the next segment, capturing each segment through ``torch.cuda.graph``
+(so torch's own integrations stay on: NOTES pitfall 13). That primitive forbids CUDA tensors as
+return values (break outputs must be out-parameters: pitfall 1) and raises on unjoined side streams
+(pitfall 7). This module adds what a prefill runtime needs on top:
+
+* padded rows of every declared output are zeroed after each replayed call, so garbage never flows
+  into the next segment (pitfall 6);
+* break arguments that live outside the runtime's pool are held strongly by the bucket, because
+  the primitive replays with non-owning aliases (pitfall 2). Arguments inside the pool were
+  written by an earlier segment of the same bucket, which replays right before the break.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from breakable_cuda_graphs import no_graph
+
+from bcg_plugin import live
+
+
+class BreakArgumentHolds:
+    """Strong references to the break arguments one bucket's replay needs, collected at capture."""
+
+    def __init__(self, in_pool: Callable[[torch.Tensor], bool]) -> None:
+        self._in_pool = in_pool
+        self._held: dict[int, torch.Tensor] = {}
+
+    def keep(self, args: tuple, kwargs: dict) -> None:
+        leaves, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.is_cuda and id(t) not in self._held and not self._in_pool(t):
+                self._held[id(t)] = t
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+_capture_holds: contextvars.ContextVar[BreakArgumentHolds | None] = contextvars.ContextVar(
+    "bcg_capture_holds", default=None
+)
+
+
+def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] = ()) -> Callable[..., Any]:
+    """Mark ``fn`` as an eager break; outside a capture it is a plain call.
+
+    Args:
+        outputs: names of ``fn``'s out-parameters whose first dimension is the token row; rows
+            at and past the live batch's ``num_tokens`` are zeroed after every call inside a
+            padded bucket.
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        params = list(inspect.signature(fn).parameters)
+        missing = [name for name in outputs if name not in params]
+        if missing:
+            raise TypeError(f"eager_break({fn.__qualname__}): outputs {missing} are not parameters of it")
+        positions = [(name, params.index(name)) for name in outputs]
+
+        @functools.wraps(fn)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            batch = live.get()
+            if batch is not None and batch.num_tokens < batch.bucket:
+                for name, pos in positions:
+                    out = kwargs[name] if name in kwargs else args[pos]
+                    out[batch.num_tokens :].zero_()
+            holds = _capture_holds.get()
+            if holds is not None:
+                holds.keep(args, kwargs)
+            return result
+
+        return no_graph(step)
+
+    return decorate(fn) if fn is not None else decorate

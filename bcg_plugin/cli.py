@@ -1,0 +1,41 @@
+"""The ``bcg`` command: ``bcg bench micro|vllm|sglang``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _bench(argv: list[str]) -> int:
+    if argv and argv[0] == "micro":
+        from bcg_plugin.bench import micro
+
+        return micro.main(argv[1:])
+    from bcg_plugin.bench import harness
+
+    ap = argparse.ArgumentParser(prog="bcg bench", description="Benchmark prefill graphs in a host engine.")
+    ap.add_argument("engine", choices=["micro", *harness.ENGINES])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--sizes", default=",".join(map(str, harness.DEFAULT_SIZES)))
+    ap.add_argument("--modes", default=None, help="comma-separated; default: every mode of the engine")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per mode")
+    a = ap.parse_args(argv)
+    modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
+    path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout)
+    print(path.with_suffix(".md").read_text())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"bench": _bench}
+    if not argv or argv[0] not in commands:
+        print("usage: bcg bench {micro,vllm,sglang} [options]", file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

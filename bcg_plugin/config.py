@@ -1,0 +1,171 @@
+"""The plugin's one validated configuration object.
+
+Every host reads the same keys (vLLM from ``additional_config["bcg"]``, SGLang from its flags or
+environment); :meth:`BcgConfig.from_mapping` is the only way in, so a bad value is reported once, at
+engine start, naming the key, instead of as a traceback from deep inside a capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from bcg_plugin.errors import BcgConfigError
+
+ENV_PREFIX = "BCG_"  # BCG_ENABLE=1, BCG_MAX_TOKENS=2048, BCG_SIZES=16,32,64 ...
+
+
+@dataclasses.dataclass(frozen=True)
+class BcgConfig:
+    """What the runtime captures and when it replays.
+
+    Attributes:
+        enable: capture and replay prefill graphs at all; off by default so installing the plugin
+            changes nothing until a user asks for it.
+        max_tokens: the top bucket. ``None`` means the host's chunk size (no forward exceeds one
+            chunk); ``0`` disables capture, like the hosts' own "0 turns graphs off" convention.
+        sizes: an explicit bucket list replacing the reference ladder; every size must be
+            ``<= max_tokens`` when both are given.
+        max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded
+            tail costs more than the launches a graph saves (NOTES pitfall 11). ``None``: always.
+        capture_failure: ``"eager"`` keeps the engine serving eagerly (agreed by every rank) when a
+            capture fails for a reason other than out-of-memory; ``"raise"`` fails the boot.
+    """
+
+    enable: bool = False
+    max_tokens: int | None = None
+    sizes: tuple[int, ...] | None = None
+    max_padding_ratio: float | None = None
+    capture_failure: str = "eager"
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None, *, source: str = "bcg config") -> BcgConfig:
+        """Validate ``raw`` (JSON-like) into a config; raise :class:`BcgConfigError` naming the key."""
+        if raw is None:
+            return cls()
+        if isinstance(raw, BcgConfig):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise BcgConfigError(
+                f"{source}: expected a JSON object such as {{\"enable\": true}}, got {type(raw).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise BcgConfigError(
+                f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"known keys are {', '.join(sorted(known))}"
+            )
+        values: dict[str, Any] = {}
+        if "enable" in raw:
+            values["enable"] = _bool(raw["enable"], "enable", source)
+        if "max_tokens" in raw and raw["max_tokens"] is not None:
+            values["max_tokens"] = _int(raw["max_tokens"], "max_tokens", source, minimum=0)
+        if "sizes" in raw and raw["sizes"] is not None:
+            values["sizes"] = _sizes(raw["sizes"], source)
+        if "max_padding_ratio" in raw and raw["max_padding_ratio"] is not None:
+            values["max_padding_ratio"] = _ratio(raw["max_padding_ratio"], source)
+        if "capture_failure" in raw:
+            mode = raw["capture_failure"]
+            if mode not in ("eager", "raise"):
+                raise BcgConfigError(f"{source}: 'capture_failure' must be \"eager\" or \"raise\", got {mode!r}")
+            values["capture_failure"] = mode
+        cfg = cls(**values)
+        if cfg.sizes is not None and cfg.max_tokens is not None and max(cfg.sizes) > cfg.max_tokens:
+            too_big = [s for s in cfg.sizes if s > cfg.max_tokens]
+            raise BcgConfigError(
+                f"{source}: 'sizes' has {too_big} above 'max_tokens' = {cfg.max_tokens}; "
+                f"drop those sizes or raise 'max_tokens'"
+            )
+        return cfg
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "bcg config") -> BcgConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BcgConfigError(f"{source}: not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
+        return cls.from_mapping(raw, source=source)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BcgConfig | None:
+        """Read ``BCG_*`` variables (inherited by spawned engine processes); ``None`` if none is set."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            name = ENV_PREFIX + f.name.upper()
+            if name in env:
+                text = env[name].strip()
+                if f.name == "sizes":
+                    raw[f.name] = [s for s in text.replace(" ", "").split(",") if s]
+                else:
+                    raw[f.name] = text
+        return cls.from_mapping(raw, source="environment (BCG_*)") if raw else None
+
+    def with_chunk_size(self, chunk_size: int) -> BcgConfig:
+        """Resolve ``max_tokens=None`` to the host's chunk size and clamp to it."""
+        top = chunk_size if self.max_tokens is None else min(self.max_tokens, chunk_size)
+        return dataclasses.replace(self, max_tokens=top)
+
+    @property
+    def active(self) -> bool:
+        return self.enable and self.max_tokens != 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.sizes is not None:
+            d["sizes"] = list(self.sizes)
+        return d
+
+
+def _bool(v: Any, key: str, source: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v.lower() in ("1", "true", "yes", "on")
+    if isinstance(v, int) and v in (0, 1):
+        return bool(v)
+    raise BcgConfigError(f"{source}: {key!r} must be true or false, got {v!r}")
+
+
+def _int(v: Any, key: str, source: str, *, minimum: int) -> int:
+    if isinstance(v, bool):
+        raise BcgConfigError(f"{source}: {key!r} must be an integer, got {v!r}")
+    if isinstance(v, str):
+        try:
+            v = int(v.strip())
+        except ValueError:
+            raise BcgConfigError(f"{source}: {key!r} must be an integer, got {v!r}") from None
+    if isinstance(v, float):
+        if not v.is_integer():
+            raise BcgConfigError(f"{source}: {key!r} must be an integer, got {v!r}")
+        v = int(v)
+    if not isinstance(v, int):
+        raise BcgConfigError(f"{source}: {key!r} must be an integer, got {type(v).__name__} {v!r}")
+    if v < minimum:
+        raise BcgConfigError(f"{source}: {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _sizes(v: Any, source: str) -> tuple[int, ...]:
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise BcgConfigError(f"{source}: 'sizes' must be a list of positive integers, got {v!r}")
+    sizes = [_int(s, "sizes", source, minimum=1) for s in v]
+    if not sizes:
+        raise BcgConfigError(f"{source}: 'sizes' is empty; leave it out to use the default ladder")
+    if len(set(sizes)) != len(sizes):
+        raise BcgConfigError(f"{source}: 'sizes' has duplicates: {sorted(sizes)}")
+    return tuple(sorted(sizes))
+
+
+def _ratio(v: Any, source: str) -> float:
+    try:
+        r = float(v)
+    except (TypeError, ValueError):
+        raise BcgConfigError(f"{source}: 'max_padding_ratio' must be a number >= 1, got {v!r}") from None
+    if isinstance(v, bool) or not r >= 1.0:
+        raise BcgConfigError(f"{source}: 'max_padding_ratio' must be a number >= 1, got {v!r}")
+    return r

@@ -1,0 +1,58 @@
+"""Decisions every rank must make identically, taken from replicated values only."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bcg_plugin.ladder import choose_bucket
+
+
+class CaptureStatus(enum.IntEnum):
+    """Capture outcome of one rank, ordered so the MIN over ranks is the world's outcome."""
+
+    OOM = 0
+    FAILED = 1
+    OK = 2
+
+
+def _world_size(group: Any) -> int:
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def agree_capture_status(local: CaptureStatus, group: Any) -> CaptureStatus:
+    """MIN of every rank's status over a CPU group: one rank's failure leaves every rank eager."""
+    if _world_size(group) == 1:
+        return local
+    t = torch.tensor([int(local)], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+    return CaptureStatus(int(t.item()))
+
+
+def dp_bucket(
+    buckets: Sequence[int], num_tokens_across_dp: Sequence[int], all_ranks_extend: bool
+) -> int | None:
+    """The bucket every DP rank replays, or ``None`` for eager on every rank.
+
+    Taken from replicated values only: the max token count over ranks (so the layout can be pinned
+    to ``[bucket] * world``) and whether every rank runs an extend. An idle rank runs a decode or
+    a dummy forward, so no rank may replay: the collectives inside the graphs would deadlock.
+    """
+    if not all_ranks_extend or not num_tokens_across_dp:
+        return None
+    return choose_bucket(buckets, max(num_tokens_across_dp))
+
+
+def agree_dp_bucket(buckets: Sequence[int], local_tokens: int, local_extend: bool, group: Any) -> int | None:
+    """:func:`dp_bucket` for hosts that do not synchronise token counts themselves (one MAX all-reduce)."""
+    if _world_size(group) == 1:
+        return dp_bucket(buckets, [local_tokens], local_extend)
+    t = torch.tensor([local_tokens, 0 if local_extend else 1], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    max_tokens, any_idle = int(t[0]), bool(t[1])
+    return dp_bucket(buckets, [max_tokens], not any_idle)

@@ -1,0 +1,127 @@
+"""The contract between the core runtime and a host adapter (pluggy project ``"bcg"``).
+
+An adapter is a plugin object implementing these hooks for one host engine; the core never imports
+a host. Every hook is ``firstresult``: exactly one adapter serves a runner, and a hook an adapter
+does not implement returns ``None`` (the documented default applies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from bcg_plugin.config import BcgConfig
+
+PROJECT_NAME = "bcg"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticInput:
+    """One per-row graph input: the core owns a ``[max_tokens, *row_shape]`` buffer for it.
+
+    Attributes:
+        row_shape: shape of one token's row (``()`` for ids/positions, ``(hidden,)`` for embeds).
+        dtype: buffer dtype.
+        pad: value written into padded rows at every replay (embeds 0, positions 0, a dummy KV
+            slot for cache locations), so the padded tail is deterministic and finite.
+    """
+
+    row_shape: tuple[int, ...]
+    dtype: torch.dtype
+    pad: float | int = 0
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """One forward handed to the core: its real rows and the adapter's per-batch state.
+
+    Attributes:
+        num_tokens: real rows (<= the bucket it replays in).
+        inputs: per-row tensors keyed like ``bcg_static_inputs``, at least ``num_tokens`` rows.
+        payload: whatever the adapter's breaks and logits tail read (attention metadata, the
+            host's forward batch); bound as :attr:`bcg_plugin.live.LiveBatch.payload`.
+    """
+
+    num_tokens: int
+    inputs: dict[str, torch.Tensor]
+    payload: Any = None
+
+
+class BcgHostSpec:
+    """Hooks a host adapter implements."""
+
+    @hookspec(firstresult=True)
+    def bcg_prefill_buckets(self, config: BcgConfig) -> list[int] | None:
+        """Return the token buckets to capture, or ``None`` for the core ladder.
+
+        ``config.max_tokens`` is already resolved to the host's chunk size. An adapter returns a
+        list only where its host constrains sizes (e.g. padding to a multiple of the TP size).
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_static_inputs(self) -> dict[str, StaticInput]:
+        """Return the graph's per-row inputs by name; the core allocates and lands them.
+
+        These are exactly the keys :meth:`bcg_body_forward` receives (as ``[bucket]``-row views).
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
+        """Return a capture batch of exactly ``num_tokens`` rows (bs=1 extend, KV to a dummy slot).
+
+        Its payload is bound as the live batch while the bucket is captured, so breaks run real
+        attention on it once; nothing of it is read again at replay.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: Any) -> torch.Tensor:
+        """Return hidden states ``[rows, ...]`` of the transformer body run on the static inputs.
+
+        Called eagerly for warm-up and once under capture per bucket. Per-batch values must be
+        read by eager breaks from :func:`bcg_plugin.live.current`, never from ``payload`` here:
+        Python in this hook runs only at capture.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_embed(self, batch: HostBatch) -> dict[str, torch.Tensor] | None:
+        """Return graph inputs computed eagerly before replay (e.g. ``inputs_embeds`` from ids).
+
+        The embedding stays outside the graph so merged multimodal embeddings replay the same
+        graphs. ``None``: ``batch.inputs`` already holds every static input.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_logits_tail(self, hidden: torch.Tensor, batch: HostBatch) -> Any:
+        """Return what the host expects from a forward, computed eagerly on the real rows.
+
+        ``hidden`` is ``[num_tokens, ...]``, a view of the shared output buffer valid until the
+        next replay. ``None``: the runner returns ``hidden`` itself.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_world_group(self) -> Any:
+        """Return a CPU (gloo) process group spanning every rank that must agree, or ``None``.
+
+        Used for the capture-success vote (MIN) so a failure on one rank leaves all ranks eager.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_capture_stream(self) -> torch.cuda.Stream | None:
+        """Return the stream to capture on (the host's graph stream), or ``None`` for a new one."""
+
+
+def plugin_manager(*adapters: object) -> pluggy.PluginManager:
+    """A plugin manager with the spec registered and ``adapters`` registered in order."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(BcgHostSpec)
+    for adapter in adapters:
+        pm.register(adapter)
+    pm.check_pending()
+    return pm

@@ -1,0 +1,59 @@
+"""Token-count buckets: which padded sizes get a graph, and which one a forward replays."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+
+from bcg_plugin.errors import BcgConfigError
+
+PREFILL_BUCKET_FLOOR = 16  # smallest bucket and smallest step: below it launches, not rows, dominate
+PREFILL_BUCKET_STEP_DIVISOR = 8  # step <= size/8 keeps the padded tail <= ~12.5%
+PREFILL_BUCKET_MAX_STEP = 512  # caps the step (and so the worst absolute padding) on long chunks
+
+
+def bucket_step(size: int) -> int:
+    """The ladder's step above ``size``: largest power of two <= size/8, within [floor, max step]."""
+    target = max(size // PREFILL_BUCKET_STEP_DIVISOR, 1)
+    step = 1 << (target.bit_length() - 1)
+    return min(max(step, PREFILL_BUCKET_FLOOR), PREFILL_BUCKET_MAX_STEP)
+
+
+def reference_ladder(max_tokens: int) -> list[int]:
+    """The reference ladder up to ``max_tokens`` (its top clamped to exactly ``max_tokens``).
+
+    2048 -> 40 buckets, 8192 -> 56 buckets; any N <= max_tokens pads by at most ~12.5% (16 tokens
+    below 128).
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BcgConfigError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    sizes = []
+    size = PREFILL_BUCKET_FLOOR
+    while size < max_tokens:
+        sizes.append(size)
+        size += bucket_step(size)
+    sizes.append(max_tokens)
+    return sizes
+
+
+def resolve_buckets(max_tokens: int, sizes: Iterable[int] | None = None) -> list[int]:
+    """Explicit ``sizes`` (validated against ``max_tokens``) or the reference ladder, ascending."""
+    if sizes is None:
+        return reference_ladder(max_tokens)
+    out = sorted(set(int(s) for s in sizes))
+    if not out or out[0] < 1:
+        raise BcgConfigError(f"sizes must be positive integers, got {list(sizes)!r}")
+    if out[-1] > max_tokens:
+        raise BcgConfigError(
+            f"sizes {[s for s in out if s > max_tokens]} exceed max_tokens={max_tokens} "
+            "(the host's chunk size caps every forward); drop them or raise max_tokens"
+        )
+    return out
+
+
+def choose_bucket(buckets: Sequence[int], num_tokens: int) -> int | None:
+    """Smallest bucket >= ``num_tokens`` (``buckets`` ascending); ``None`` above the top: eager."""
+    if num_tokens < 1:
+        return None
+    i = bisect.bisect_left(buckets, num_tokens)
+    return buckets[i] if i < len(buckets) else None

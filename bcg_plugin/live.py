@@ -1,0 +1,65 @@
+"""The live forward context that eager breaks read at every replay.
+
+Python inside a captured segment runs once, at capture; only eager breaks run again at replay. Any
+per-batch value a break needs (sequence lengths, slot mapping, the valid-row count) must therefore
+come from here, rebound by the runner around every replay, never from a variable frozen at capture
+(NOTES pitfall 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from bcg_plugin.errors import BcgStateError
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBatch:
+    """One forward as the breaks see it.
+
+    Attributes:
+        num_tokens: real rows; rows ``[num_tokens, bucket)`` are padding that breaks must neither
+            attend to nor leave as garbage for the next segment.
+        bucket: padded row count the graph was captured for.
+        payload: the adapter's per-batch state (attention metadata, host forward context ...).
+    """
+
+    num_tokens: int
+    bucket: int
+    payload: Any = None
+
+    @property
+    def padded(self) -> bool:
+        return self.num_tokens < self.bucket
+
+
+_live: contextvars.ContextVar[LiveBatch | None] = contextvars.ContextVar("bcg_live_batch", default=None)
+
+
+def current() -> LiveBatch:
+    """The batch being captured or replayed; raises if a break runs outside one."""
+    batch = _live.get()
+    if batch is None:
+        raise BcgStateError(
+            "no live batch is bound: an eager break that reads per-batch state ran outside a bcg "
+            "capture or replay; bind one with bcg_plugin.live.bound(LiveBatch(...))"
+        )
+    return batch
+
+
+def get() -> LiveBatch | None:
+    """The bound batch, or ``None`` during a plain eager forward."""
+    return _live.get()
+
+
+@contextlib.contextmanager
+def bound(batch: LiveBatch) -> Iterator[LiveBatch]:
+    token = _live.set(batch)
+    try:
+        yield batch
+    finally:
+        _live.reset(token)

@@ -1,0 +1,50 @@
+"""The one private memory pool every prefill bucket captures into."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GraphPool:
+    """A CUDA-graph memory pool shared by all buckets of one runner.
+
+    One pool for every bucket (never per segment: NOTES pitfall 5) and never the host's decode
+    pool: kernels that cache raw workspace pointers from decode capture get corrupted when
+    prefill captures re-carve those blocks. Buckets are self-contained graphs replayed one at a
+    time, so blocks freed inside one bucket's capture may be reused by the next; whatever must
+    outlive a bucket (inputs, outputs, out-of-pool break arguments) is owned elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle()
+        self._ranges: list[tuple[int, int]] = []
+        self._outside: set[int] = set()
+
+    def segments(self) -> list[dict]:
+        return torch.cuda.memory_snapshot(self.handle, include_traces=False)
+
+    def reserved_bytes(self) -> int:
+        """Device memory the pool holds: the graphs' cost, as the allocator sees it."""
+        return sum(s["total_size"] for s in self.segments())
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage lies in this pool.
+
+        Snapshots are taken only when an address is unknown: the pool only grows while it is
+        captured into, and an address once seen outside cannot join the pool while its tensor
+        lives. A stale "outside" answer after the address is reused only makes a caller hold a
+        tensor it did not need to: never the unsafe way round.
+        """
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._outside:
+            return False
+        if self._within(ptr):
+            return True
+        self._ranges = [(s["address"], s["address"] + s["total_size"]) for s in self.segments()]
+        if self._within(ptr):
+            return True
+        self._outside.add(ptr)
+        return False
+
+    def _within(self, ptr: int) -> bool:
+        return any(lo <= ptr < hi for lo, hi in self._ranges)

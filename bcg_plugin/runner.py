@@ -1,0 +1,225 @@
+"""The prefill graph runner: capture every bucket once, replay any batch mix at that token count."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from typing import Any
+
+import pluggy
+import torch
+from tqdm.auto import tqdm
+
+from bcg_plugin import live
+from bcg_plugin.capture import SegmentedGraph, capture_segments
+from bcg_plugin.config import BcgConfig
+from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
+from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgStateError
+from bcg_plugin.hookspecs import HostBatch, StaticInput
+from bcg_plugin.ladder import choose_bucket, resolve_buckets
+from bcg_plugin.pool import GraphPool
+from bcg_plugin.stats import Fallback, RuntimeStats
+
+logger = logging.getLogger("bcg_plugin")
+
+
+class PrefillGraphRunner:
+    """Engine-agnostic prefill/extend graphs keyed by padded token count.
+
+    Holds one :class:`~bcg_plugin.capture.SegmentedGraph` per bucket, the static per-row input
+    buffers and one shared output buffer (all sized for the top bucket and allocated outside
+    capture, so no bucket's inputs or outputs can be aliased by a later allocation: NOTES
+    pitfalls 2 and 3), and the one pool and stream all buckets capture into.
+
+    One replay is a straight line: the adapter picks the bucket (:meth:`bucket_for`), the core
+    lands the inputs and replays segments and breaks with the live batch bound
+    (:meth:`replay`), and the adapter's logits tail runs on the real rows.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager, config: BcgConfig, *, chunk_size: int, device: Any = None):
+        self.config = config.with_chunk_size(chunk_size)
+        self._hook = pm.hook
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.buckets: list[int] = []
+        if self.config.active:
+            from_host = self._hook.bcg_prefill_buckets(config=self.config)
+            self.buckets = resolve_buckets(self.config.max_tokens, from_host or self.config.sizes)
+        self.stats = RuntimeStats()
+        self._graphs: dict[int, SegmentedGraph] = {}
+        self._pool: GraphPool | None = None
+        self._static: dict[str, torch.Tensor] = {}
+        self._pads: dict[str, float | int] = {}
+        self._output: torch.Tensor | None = None
+        self._capture_failed = False
+
+    # -- capture -------------------------------------------------------------------------------
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def capture(self, *, progress: bool = True) -> None:
+        """Capture every bucket, largest first; agree on the outcome with every rank.
+
+        A non-OOM failure on any rank leaves every rank eager (or raises if the config says
+        so); OOM on any rank fails the boot on every rank with advice.
+        """
+        if not self.config.active or not self.buckets:
+            return
+        if self._graphs:
+            raise BcgStateError("capture() was already called on this runner; build a new runner to recapture")
+        status, error = CaptureStatus.OK, None
+        start = time.perf_counter()
+        try:
+            self._capture_all(progress)
+        except torch.OutOfMemoryError as e:
+            status, error = CaptureStatus.OOM, e
+        except Exception as e:
+            status, error = CaptureStatus.FAILED, e
+            # Logged as text: a record holding exc_info would keep the failed frames, and with
+            # them blocks of the pool being torn down, alive in whatever handler keeps records.
+            logger.warning("bcg: prefill graph capture failed:\n%s", "".join(traceback.format_exception(e)))
+        world = agree_capture_status(status, self._hook.bcg_world_group())
+        if world is CaptureStatus.OK:
+            self.stats.capture_seconds = time.perf_counter() - start
+            self.stats.buckets_captured = len(self._graphs)
+            self.stats.graph_bytes = self._pool.reserved_bytes()
+            logger.info(
+                "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s, graph memory %.3f GiB",
+                len(self._graphs), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
+                self.stats.graph_bytes / 2**30,
+            )
+            return
+        self.close()
+        self._capture_failed = True
+        if world is CaptureStatus.OOM:
+            where = "on this rank" if status is CaptureStatus.OOM else "on another rank"
+            raise BcgCaptureOOM(
+                f"out of memory {where} while capturing bcg prefill graphs up to {self.buckets[-1]} "
+                "tokens; lower bcg 'max_tokens' (or the engine's memory utilisation), or set "
+                "'max_tokens' to 0 to disable prefill graphs"
+            ) from error
+        if self.config.capture_failure == "raise":
+            raise BcgCaptureError(f"bcg prefill graph capture failed: {error!r}") from error
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+        logger.warning("bcg: prefill graph capture failed on at least one rank; every rank runs prefill eagerly")
+
+    def _capture_all(self, progress: bool) -> None:
+        specs: dict[str, StaticInput] = self._hook.bcg_static_inputs()
+        if not specs:
+            raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
+        top = self.buckets[-1]
+        self._static = {
+            name: torch.full((top, *spec.row_shape), spec.pad, dtype=spec.dtype, device=self.device)
+            for name, spec in specs.items()
+        }
+        self._pads = {name: spec.pad for name, spec in specs.items()}
+        self._pool = GraphPool()
+        stream = self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
+        for bucket in tqdm(sorted(self.buckets, reverse=True), desc="bcg capture", unit="bucket",
+                           disable=not progress, leave=False):
+            self._graphs[bucket] = self._capture_bucket(bucket, stream)
+
+    def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream) -> SegmentedGraph:
+        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket)
+        if batch is None or batch.num_tokens != bucket:
+            raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
+        self._land(batch, bucket)
+        views = {name: buf[:bucket] for name, buf in self._static.items()}
+        forward = self._hook.bcg_body_forward
+        with live.bound(live.LiveBatch(bucket, bucket, batch.payload)):
+            with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
+                warm = forward(inputs=views, payload=batch.payload)
+            if self._output is None:
+                self._output = torch.empty((self.buckets[-1], *warm.shape[1:]), dtype=warm.dtype, device=self.device)
+            del warm
+            out = self._output[:bucket]
+            graph, _ = capture_segments(
+                lambda: out.copy_(forward(inputs=views, payload=batch.payload)), pool=self._pool, stream=stream
+            )
+        return graph
+
+    # -- replay --------------------------------------------------------------------------------
+
+    def bucket_for(
+        self,
+        num_tokens: int,
+        *,
+        num_tokens_across_dp: list[int] | None = None,
+        all_ranks_extend: bool = True,
+    ) -> int | None:
+        """The bucket to replay ``num_tokens`` in, or ``None`` (eager; the reason is counted).
+
+        With data parallelism pass the host's replicated ``num_tokens_across_dp`` and whether
+        every rank runs an extend: every rank then gets the same answer.
+        """
+        if not self._graphs:
+            if self._capture_failed:
+                self.stats.record_fallback(Fallback.CAPTURE_FAILED)
+            return None
+        if num_tokens_across_dp is not None:
+            bucket = dp_bucket(self.buckets, num_tokens_across_dp, all_ranks_extend)
+            if bucket is None:
+                reason = Fallback.DP_DISAGREEMENT if not all_ranks_extend else Fallback.OVER_TOP_BUCKET
+                self.stats.record_fallback(reason)
+                return None
+            num_tokens = max(num_tokens_across_dp)
+        else:
+            bucket = choose_bucket(self.buckets, num_tokens)
+            if bucket is None:
+                self.stats.record_fallback(Fallback.OVER_TOP_BUCKET)
+                return None
+        ratio = self.config.max_padding_ratio
+        if ratio is not None and bucket > ratio * num_tokens:
+            self.stats.record_fallback(Fallback.PADDING_RATIO)
+            return None
+        return bucket
+
+    def record_fallback(self, reason: Fallback) -> None:
+        """Count an eager forward the adapter decided on (e.g. a feature the graphs do not capture)."""
+        self.stats.record_fallback(reason)
+
+    def replay(self, bucket: int, batch: HostBatch) -> Any:
+        """Land ``batch`` in ``bucket``'s inputs, replay its segments and breaks, run the logits tail."""
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            raise BcgStateError(f"no graph for bucket {bucket}; pick buckets with bucket_for()")
+        if not 0 < batch.num_tokens <= bucket:
+            raise BcgStateError(f"a batch of {batch.num_tokens} tokens cannot replay in bucket {bucket}")
+        embedded = self._hook.bcg_embed(batch=batch)
+        if embedded:
+            batch.inputs = {**batch.inputs, **embedded}
+        self._land(batch, bucket)
+        with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload)):
+            graph.replay()
+        self.stats.record_replay(bucket, batch.num_tokens)
+        hidden = self._output[: batch.num_tokens]
+        tail = self._hook.bcg_logits_tail(hidden=hidden, batch=batch)
+        return hidden if tail is None else tail
+
+    def _land(self, batch: HostBatch, bucket: int) -> None:
+        n = batch.num_tokens
+        for name, buf in self._static.items():
+            src = batch.inputs.get(name)
+            if src is None:
+                raise BcgStateError(f"batch has no input {name!r}; the adapter declared it in bcg_static_inputs")
+            buf[:n].copy_(src[:n], non_blocking=True)
+            if n < bucket:
+                buf[n:bucket].fill_(self._pads[name])
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    @property
+    def graph_bytes(self) -> int:
+        return self._pool.reserved_bytes() if self._pool is not None else 0
+
+    def close(self) -> None:
+        """Drop graphs, then the buffers they point at, then the pool (pitfall 10)."""
+        for graph in self._graphs.values():
+            graph.release()
+        self._graphs.clear()
+        self._static.clear()
+        self._output = None
+        self._pool = None

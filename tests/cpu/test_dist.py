@@ -1,0 +1,116 @@
+"""Rank agreement over a real 2-process gloo group: every rank makes the same replay decision."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
+from bcg_plugin.dist import CaptureStatus, agree_capture_status, agree_dp_bucket, dp_bucket
+
+LADDER = [16, 32, 64, 128]
+
+
+def _run(world, fn, tmp_path, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "rdv"), fn, q, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    errors = {r: v for r, v in results.items() if isinstance(v, str) and v.startswith("ERROR")}
+    assert not errors, errors
+    return [results[r] for r in range(world)]
+
+
+def _worker(rank, world, rdv, fn, q, args):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
+        q.put((rank, fn(rank, *args)))
+    except Exception as e:  # reported to the parent, which fails the test
+        q.put((rank, f"ERROR {e!r}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _capture_vote(rank, failing_rank):
+    local = CaptureStatus.FAILED if rank == failing_rank else CaptureStatus.OK
+    return int(agree_capture_status(local, dist.group.WORLD))
+
+
+def _oom_vote(rank):
+    local = CaptureStatus.OOM if rank == 1 else CaptureStatus.OK
+    return int(agree_capture_status(local, dist.group.WORLD))
+
+
+def _dp_choice(rank, tokens, extend):
+    return agree_dp_bucket(LADDER, tokens[rank], extend[rank], dist.group.WORLD)
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1, None])
+def test_capture_vote_is_unanimous(tmp_path, failing_rank):
+    votes = _run(2, _capture_vote, tmp_path, failing_rank)
+    expected = CaptureStatus.OK if failing_rank is None else CaptureStatus.FAILED
+    assert votes == [expected, expected]
+
+
+def test_oom_on_one_rank_is_oom_everywhere(tmp_path):
+    assert _run(2, _oom_vote, tmp_path) == [CaptureStatus.OOM, CaptureStatus.OOM]
+
+
+@pytest.mark.parametrize(
+    "tokens, extend, expected",
+    [
+        ([10, 40], [True, True], 64),  # bucket from the max over ranks, same on both
+        ([100, 3], [True, True], 128),
+        ([10, 40], [True, False], None),  # an idle/decoding rank: nobody replays
+        ([10, 500], [True, True], None),  # one rank above the top bucket: nobody replays
+    ],
+)
+def test_dp_bucket_uniform_across_ranks(tmp_path, tokens, extend, expected):
+    assert _run(2, _dp_choice, tmp_path, tokens, extend) == [expected, expected]
+
+
+class _InjectedFailure:
+    """An adapter whose capture fails on one rank only."""
+
+    def __init__(self, rank, failing_rank):
+        self.rank, self.failing_rank = rank, failing_rank
+
+    @hookimpl
+    def bcg_world_group(self):
+        return dist.group.WORLD
+
+
+def _runner_after_injected_failure(rank, failing_rank):
+    runner = PrefillGraphRunner(
+        plugin_manager(_InjectedFailure(rank, failing_rank)),
+        BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32, device="cpu",
+    )
+
+    def capture_all(progress):  # the healthy rank "captures" nothing CUDA-side; the other raises
+        if rank == failing_rank:
+            raise RuntimeError("injected capture failure")
+
+    runner._capture_all = capture_all
+    runner.capture(progress=False)
+    return [runner.captured, runner.bucket_for(16), dict(runner.stats.fallbacks)]
+
+
+def test_injected_failure_on_one_rank_leaves_every_rank_eager(tmp_path):
+    results = _run(2, _runner_after_injected_failure, tmp_path, 1)
+    for captured, bucket, fallbacks in results:
+        assert captured is False and bucket is None
+        assert fallbacks == {Fallback.CAPTURE_FAILED.value: 1}
+
+
+def test_dp_bucket_pure():
+    assert dp_bucket(LADDER, [5, 17], True) == 32
+    assert dp_bucket(LADDER, [5, 17], False) is None
+    assert dp_bucket(LADDER, [], True) is None

@@ -1,0 +1,77 @@
+import inspect
+
+import pluggy
+import pytest
+
+from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
+from bcg_plugin.hookspecs import BcgHostSpec, PROJECT_NAME
+
+EXPECTED_HOOKS = {
+    "bcg_prefill_buckets", "bcg_static_inputs", "bcg_dummy_batch", "bcg_body_forward", "bcg_embed",
+    "bcg_logits_tail", "bcg_world_group", "bcg_capture_stream",
+}
+
+
+def test_spec_names_and_docstrings():
+    hooks = {n for n in dir(BcgHostSpec) if n.startswith("bcg_")}
+    assert hooks == EXPECTED_HOOKS
+    for name in hooks:
+        doc = inspect.getdoc(getattr(BcgHostSpec, name))
+        assert doc and doc.startswith("Return"), name
+
+
+def test_unknown_hook_in_adapter_is_rejected():
+    class Typo:
+        @hookimpl
+        def bcg_dummy_bach(self, num_tokens):
+            return None
+
+    with pytest.raises(pluggy.PluginValidationError, match="bcg_dummy_bach"):
+        plugin_manager(Typo())
+
+
+def test_wrong_argument_name_is_rejected():
+    class WrongArgs:
+        @hookimpl
+        def bcg_dummy_batch(self, tokens):
+            return None
+
+    with pytest.raises(pluggy.PluginValidationError):
+        plugin_manager(WrongArgs())
+
+
+class _Buckets:
+    @hookimpl
+    def bcg_prefill_buckets(self, config):
+        return [s for s in (8, 24, 40) if s <= config.max_tokens]
+
+
+def test_adapter_buckets_override_the_ladder_and_unimplemented_hooks_return_none():
+    pm = plugin_manager(_Buckets())
+    assert pm.project_name == PROJECT_NAME
+    runner = PrefillGraphRunner(pm, BcgConfig(enable=True), chunk_size=32, device="cpu")
+    assert runner.buckets == [8, 24]
+    assert pm.hook.bcg_world_group() is None
+
+
+def test_default_buckets_follow_chunk_size_and_disabled_runner_captures_nothing():
+    pm = plugin_manager()
+    assert PrefillGraphRunner(pm, BcgConfig(enable=True), chunk_size=256, device="cpu").buckets[-1] == 256
+    off = PrefillGraphRunner(pm, BcgConfig(enable=False), chunk_size=256, device="cpu")
+    off.capture()
+    assert off.buckets == [] and off.bucket_for(16) is None and not off.stats.fallbacks
+
+
+def test_bucket_for_counts_fallback_reasons():
+    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(16, 64), max_padding_ratio=2),
+                                chunk_size=64, device="cpu")
+    runner._graphs = {16: object(), 64: object()}  # decisions only: no replay happens here
+    assert runner.bucket_for(10) == 16
+    assert runner.bucket_for(40) == 64
+    assert runner.bucket_for(17) is None  # 64 > 2 * 17
+    assert runner.bucket_for(65) is None
+    assert runner.bucket_for(10, num_tokens_across_dp=[10, 30], all_ranks_extend=False) is None
+    assert runner.bucket_for(10, num_tokens_across_dp=[10, 40]) == 64
+    assert runner.stats.fallbacks == {
+        Fallback.PADDING_RATIO.value: 1, Fallback.OVER_TOP_BUCKET.value: 1, Fallback.DP_DISAGREEMENT.value: 1,
+    }

@@ -1,0 +1,268 @@
+"""The core runtime on a real GPU, against the reference decoder run eagerly.
+
+Run on a CUDA machine: ``python -m pytest tests/gpu -m gpu -s``. Same-shape replays must be
+bitwise equal to eager; padded replays within ``PADDED_REL_TOL`` (bf16: 8 mantissa bits, 28
+layers, GEMMs of a different row count may pick other kernels and reduction orders).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+import bcg_plugin.runner as runner_module
+from bcg_plugin import BcgCaptureError, BcgCaptureOOM, BcgConfig, Fallback, PrefillGraphRunner, live, plugin_manager
+from bcg_plugin.breaks import _capture_holds, eager_break
+from bcg_plugin.hookspecs import hookimpl
+from bcg_plugin.testing import QWEN3_0_6B, ToyAdapter, ToyDecoder
+
+pytestmark = pytest.mark.gpu
+
+PADDED_REL_TOL = 2e-2  # relative Frobenius error of final hidden states, bf16, padded replay vs eager
+TOP = 2048
+FIRST_REAL_SLOT = TOP  # slots [0, TOP) are the capture batches' dummy region
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def matches_eager(out: torch.Tensor, ref: torch.Tensor, same_shape: bool) -> bool:
+    """The correctness check every test uses (and the negative controls show can fail)."""
+    if same_shape:
+        return torch.equal(out, ref)
+    return bool(torch.isfinite(out).all()) and rel_err(out, ref) <= PADDED_REL_TOL
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = ToyDecoder(QWEN3_0_6B, kv_slots=FIRST_REAL_SLOT + 24_000, device="cuda")
+    yield m
+    del m
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def ladder_runner(model):
+    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), BcgConfig(enable=True), chunk_size=TOP)
+    runner.capture(progress=False)
+    assert runner.captured and len(runner.buckets) == 40
+    yield runner
+    runner.close()
+
+
+def random_mix(rng: random.Random, n: int, first_slot: int) -> list[tuple[int, int, int]]:
+    """Split ``n`` new tokens into decodes (cached context, one new token) and prefills, some of
+    them with cached context (prefix-cache hits, later chunks)."""
+    decodes = rng.randint(0, min(16, n - 1)) if n > 1 else 0
+    left = n - decodes
+    cuts = sorted(rng.sample(range(1, left), min(rng.randint(0, 3), left - 1))) if left > 1 else []
+    prefills = [b - a for a, b in zip([0, *cuts], [*cuts, left])]
+    seqs, slot = [], first_slot
+    for new, ctx in [(1, rng.randint(1, 300)) for _ in range(decodes)] + [(p, rng.choice([0, 0, rng.randint(1, 500)])) for p in prefills]:
+        seqs.append((slot, ctx, new))
+        slot += ctx + new
+    rng.shuffle(seqs)
+    return seqs
+
+
+def make_case(model, adapter, rng, n):
+    seqs = random_mix(rng, n, FIRST_REAL_SLOT)
+    ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
+    return seqs, ids, adapter.batch(ids, seqs)
+
+
+def test_replay_matches_eager_for_random_token_counts_and_mixes(model, ladder_runner):
+    adapter = ToyAdapter(model)
+    rng = random.Random(1234)
+    torch.manual_seed(1234)
+    counts = [rng.choice(ladder_runner.buckets) for _ in range(12)] + [rng.randint(1, TOP) for _ in range(38)]
+    worst, stale_errs, stale_caught = 0.0, [], 0
+    for n in counts:
+        seqs, ids, batch = make_case(model, adapter, rng, n)
+        ref = model.forward_eager(ids, model.positions(seqs), batch.payload)
+        bucket = ladder_runner.bucket_for(n)
+        assert bucket is not None and bucket >= n
+        out = ladder_runner.replay(bucket, batch).clone()
+        same = bucket == n
+        assert matches_eager(out, ref, same), (n, bucket, seqs, rel_err(out, ref))
+        if not same:
+            worst = max(worst, rel_err(out, ref))
+        # Negative control: the same inputs replayed with another batch's metadata (what a break
+        # reading state frozen at capture would see) must fail the same check.
+        other = adapter.batch(ids, random_mix(rng, n, FIRST_REAL_SLOT + 12_000))
+        stale = adapter.batch(ids, seqs)
+        stale.payload = other.payload
+        stale_out = ladder_runner.replay(bucket, stale).clone()
+        stale_errs.append(rel_err(stale_out, ref))
+        stale_caught += not matches_eager(stale_out, ref, same)
+    print(f"\nworst padded rel err {worst:.2e} (tol {PADDED_REL_TOL}); stale-context rel err min {min(stale_errs):.2e}")
+    assert stale_caught == len(counts), f"stale replays passed the check: {len(counts) - stale_caught}"
+    assert sum(ladder_runner.stats.replays_by_bucket.values()) >= 2 * len(counts)
+
+
+def test_same_shape_replay_is_bitwise_and_check_catches_one_flipped_value(model, ladder_runner):
+    adapter = ToyAdapter(model)
+    seqs = [(FIRST_REAL_SLOT, 0, 256)]
+    ids = torch.arange(256, device="cuda")
+    batch = adapter.batch(ids, seqs)
+    ref = model.forward_eager(ids, model.positions(seqs), batch.payload)
+    out = ladder_runner.replay(256, batch).clone()
+    assert matches_eager(out, ref, True)
+    out[7, 3] += 1
+    assert not matches_eager(out, ref, True)
+
+
+def test_capture_a_b_then_replay_a_b_a_with_allocator_churn(model):
+    adapter = ToyAdapter(model)
+    runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=(256, 512)), chunk_size=TOP)
+    runner.capture(progress=False)
+    rng = random.Random(7)
+    try:
+        cases = {b: make_case(model, adapter, rng, b) for b in (256, 512)}
+        for step, b in enumerate((256, 512, 256)):
+            churn = [torch.empty(rng.randint(1, 64) << 20, dtype=torch.uint8, device="cuda") for _ in range(16)]
+            del churn[::2]
+            torch.cuda.empty_cache()
+            seqs, ids, batch = cases[b]
+            ref = model.forward_eager(ids, model.positions(seqs), batch.payload)
+            out = runner.replay(b, batch).clone()
+            assert matches_eager(out, ref, True), (step, b)
+            del churn
+            gc.collect()
+    finally:
+        runner.close()
+
+
+class _FailingAdapter(ToyAdapter):
+    """Raises during capture: inside an eager break, inside a segment, or as OOM."""
+
+    def __init__(self, model, where: str):
+        super().__init__(model)
+        self.where = where
+
+    @hookimpl
+    def bcg_body_forward(self, inputs, payload):
+        from breakable_cuda_graphs import is_in_breakable_graph
+
+        if not is_in_breakable_graph():
+            return super().bcg_body_forward(inputs, payload)
+        x = inputs["inputs_embeds"] * 2
+        if self.where == "segment":
+            raise ValueError("injected failure inside a segment")
+        out = torch.empty_like(x)
+
+        @eager_break(outputs=("out",))
+        def failing_break(x, out):
+            if self.where == "oom":
+                raise torch.OutOfMemoryError("injected OOM")
+            raise ValueError("injected failure inside a break")
+
+        failing_break(x, out)
+        return out
+
+
+@pytest.fixture
+def recorded_pools(monkeypatch):
+    pools = []
+    original = runner_module.GraphPool
+
+    def record():
+        pool = original()
+        pools.append(pool.handle)
+        return pool
+
+    monkeypatch.setattr(runner_module, "GraphPool", record)
+    return pools
+
+
+@pytest.mark.parametrize("where", ["break", "segment"])
+def test_failing_capture_leaves_nothing_behind(model, recorded_pools, where):
+    from breakable_cuda_graphs import is_in_breakable_graph
+
+    stream_before = torch.cuda.current_stream()
+    runner = PrefillGraphRunner(plugin_manager(_FailingAdapter(model, where)),
+                                BcgConfig(enable=True, sizes=(64, 128), capture_failure="raise"), chunk_size=TOP)
+    with pytest.raises(BcgCaptureError) as info:
+        runner.capture(progress=False)
+    cause = info.value.__cause__
+    assert isinstance(cause, ValueError) and "injected failure" in str(cause)
+    del info, cause  # the traceback's frames hold tensors from the aborted capture
+    gc.collect()
+    assert live.get() is None and _capture_holds.get() is None and not is_in_breakable_graph()
+    assert gc.isenabled() and torch.cuda.current_stream() == stream_before
+    assert not torch.cuda.is_current_stream_capturing()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert recorded_pools and torch.cuda.memory_snapshot(recorded_pools[-1], include_traces=False) == []
+    assert not runner.captured and runner.bucket_for(64) is None
+    # The default policy serves eagerly instead, and says so in its counters.
+    eager_runner = PrefillGraphRunner(plugin_manager(_FailingAdapter(model, where)),
+                                      BcgConfig(enable=True, sizes=(64,)), chunk_size=TOP)
+    eager_runner.capture(progress=False)
+    assert eager_runner.bucket_for(64) is None
+    assert eager_runner.stats.fallbacks[Fallback.CAPTURE_FAILED.value] == 1
+    # And the GPU is still usable for a normal forward.
+    seqs = [(FIRST_REAL_SLOT, 0, 8)]
+    assert torch.isfinite(model.forward_eager(torch.arange(8, device="cuda"), model.positions(seqs),
+                                              model.attention_meta(seqs))).all()
+
+
+def test_oom_during_capture_raises_with_advice(model):
+    runner = PrefillGraphRunner(plugin_manager(_FailingAdapter(model, "oom")), BcgConfig(enable=True, sizes=(64,)),
+                                chunk_size=TOP)
+    with pytest.raises(BcgCaptureOOM, match="lower bcg 'max_tokens'.*0 to disable"):
+        runner.capture(progress=False)
+    assert live.get() is None and not runner.captured
+
+
+def test_graph_memory_of_full_ladder_vs_largest_bucket(model):
+    def graph_bytes(config):
+        r = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), config, chunk_size=TOP)
+        r.capture(progress=False)
+        try:
+            return r.graph_bytes, len(r.buckets)
+        finally:
+            r.close()
+            torch.cuda.empty_cache()
+
+    full, n_full = graph_bytes(BcgConfig(enable=True))
+    top_only, _ = graph_bytes(BcgConfig(enable=True, sizes=(TOP,)))
+    ratio = full / top_only
+    print(f"\ngraph memory: {n_full} buckets {full / 2**20:.1f} MiB, top bucket alone {top_only / 2**20:.1f} MiB, "
+          f"ratio {ratio:.2f}")
+    assert n_full == 40 and ratio <= 1.5
+
+
+class _UnjoinedStreamAdapter(ToyAdapter):
+    @hookimpl
+    def bcg_body_forward(self, inputs, payload):
+        from breakable_cuda_graphs import is_in_breakable_graph
+
+        if not is_in_breakable_graph():
+            return inputs["inputs_embeds"].clone()
+        x = inputs["inputs_embeds"]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 3
+        out = torch.empty_like(x)
+
+        @eager_break(outputs=("out",))
+        def consume(y, out):
+            out.copy_(y)
+
+        consume(y, out)  # no current_stream().wait_stream(side): the fork is never joined
+        return out
+
+
+def test_unjoined_side_stream_raises_a_clear_error(model):
+    runner = PrefillGraphRunner(plugin_manager(_UnjoinedStreamAdapter(model)),
+                                BcgConfig(enable=True, sizes=(64,), capture_failure="raise"), chunk_size=TOP)
+    with pytest.raises(BcgCaptureError) as info:
+        runner.capture(progress=False)
+    assert "side stream was not joined" in str(info.value.__cause__)
+    assert not torch.cuda.is_current_stream_capturing() and live.get() is None
