@@ -2,7 +2,7 @@
 
 Built on ``breakable_cuda_graphs.no_graph``, which ends the current segment, runs the call, records
 it as a replay step and begins the next segment, capturing each segment through ``torch.cuda.graph``
-(so torch's own integrations stay on: NOTES pitfall 13). That primitive forbids CUDA tensors as
+(so torch's own integrations stay on: pitfall 13). That primitive forbids CUDA tensors as
 return values (break outputs must be out-parameters: pitfall 1) and raises on unjoined side streams
 (pitfall 7). This module adds what a prefill runtime needs on top:
 

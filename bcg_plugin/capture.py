@@ -3,7 +3,7 @@
 Entering or leaving a capture either completes or leaves nothing behind: no changed current stream
 (``torch.cuda.graph`` enters the stream context before ``capture_begin``, so a failing begin would
 leak it), no bound context variable, no half-built graph, gc back on;
-and the original exception propagates unmasked (NOTES pitfalls 4, 9, 10).
+and the original exception propagates unmasked (pitfalls 4, 9, 10).
 """
 
 from __future__ import annotations

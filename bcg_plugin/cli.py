@@ -1,4 +1,4 @@
-"""The ``bcg`` command: ``bcg bench micro|vllm|sglang``."""
+"""The ``bcg`` command: ``bcg bench micro|vllm|sglang``, ``bcg config-reference``."""
 
 from __future__ import annotations
 
@@ -28,11 +28,18 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+def _config_reference(argv: list[str]) -> int:
+    from bcg_plugin.config import reference_markdown
+
+    sys.stdout.write(reference_markdown())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"bench": _bench}
+    commands = {"bench": _bench, "config-reference": _config_reference}
     if not argv or argv[0] not in commands:
-        print("usage: bcg bench {micro,vllm,sglang} [options]", file=sys.stderr)
+        print("usage: bcg {bench {micro,vllm,sglang} [options] | config-reference}", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -30,7 +30,7 @@ class BcgConfig:
         sizes: an explicit bucket list replacing the reference ladder; every size must be
             ``<= max_tokens`` when both are given.
         max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded
-            tail costs more than the launches a graph saves (NOTES pitfall 11). ``None``: always.
+            tail costs more than the launches a graph saves (pitfall 11). ``None``: always.
         capture_failure: ``"eager"`` keeps the engine serving eagerly (agreed by every rank) when a
             capture fails for a reason other than out-of-memory; ``"raise"`` fails the boot.
     """
@@ -169,3 +169,38 @@ def _ratio(v: Any, source: str) -> float:
     if isinstance(v, bool) or not r >= 1.0:
         raise BcgConfigError(f"{source}: 'max_padding_ratio' must be a number >= 1, got {v!r}")
     return r
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from :class:`BcgConfig`."""
+    import inspect
+
+    doc = inspect.getdoc(BcgConfig) or ""
+    described: dict[str, str] = {}
+    current = None
+    for line in doc.split("Attributes:", 1)[-1].splitlines():
+        stripped = line.strip()
+        head, sep, rest = stripped.partition(":")
+        if sep and head in {f.name for f in dataclasses.fields(BcgConfig)} and line.startswith("    ") and not line.startswith("        "):
+            current = head
+            described[current] = rest.strip()
+        elif current and stripped:
+            described[current] += " " + stripped
+    rows = [
+        "# Configuration reference",
+        "",
+        "Generated from `bcg_plugin.config.BcgConfig` by `bcg config-reference`; do not edit by hand.",
+        "",
+        "The same keys everywhere: vLLM `--additional-config '{\"bcg\": {...}}'` (or `LLM(additional_config=...)`),",
+        f"environment variables `{ENV_PREFIX}<KEY>` (e.g. `{ENV_PREFIX}ENABLE=1`, `{ENV_PREFIX}SIZES=16,32,64`) for engines",
+        "that spawn workers (SGLang). Unknown keys and bad values fail at engine start with an error naming the key.",
+        "",
+        "| key | type | default | environment | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(BcgConfig):
+        default = json.dumps(list(f.default) if isinstance(f.default, tuple) else f.default)
+        rows.append(
+            f"| `{f.name}` | {str(f.type).replace(' | ', ' or ')} | `{default}` | `{ENV_PREFIX}{f.name.upper()}` | {described.get(f.name, '')} |"
+        )
+    return "\n".join(rows) + "\n"

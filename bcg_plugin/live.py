@@ -3,7 +3,7 @@
 Python inside a captured segment runs once, at capture; only eager breaks run again at replay. Any
 per-batch value a break needs (sequence lengths, slot mapping, the valid-row count) must therefore
 come from here, rebound by the runner around every replay, never from a variable frozen at capture
-(NOTES pitfall 8).
+(pitfall 8).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 class GraphPool:
     """A CUDA-graph memory pool shared by all buckets of one runner.
 
-    One pool for every bucket (never per segment: NOTES pitfall 5) and never the host's decode
+    One pool for every bucket (never per segment: pitfall 5) and never the host's decode
     pool: kernels that cache raw workspace pointers from decode capture get corrupted when
     prefill captures re-carve those blocks. Buckets are self-contained graphs replayed one at a
     time, so blocks freed inside one bucket's capture may be reused by the next; whatever must

@@ -29,7 +29,7 @@ class PrefillGraphRunner:
 
     Holds one :class:`~bcg_plugin.capture.SegmentedGraph` per bucket, the static per-row input
     buffers and one shared output buffer (all sized for the top bucket and allocated outside
-    capture, so no bucket's inputs or outputs can be aliased by a later allocation: NOTES
+    capture, so no bucket's inputs or outputs can be aliased by a later allocation:
     pitfalls 2 and 3), and the one pool and stream all buckets capture into.
 
     One replay is a straight line: the adapter picks the bucket (:meth:`bucket_for`), the core
