@@ -24,7 +24,7 @@ def _bench(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
     path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout)
-    print(path.with_suffix(".md").read_text())
+    print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())
     return 0
 
 

@@ -68,12 +68,12 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         result["modes"][mode] = run_mode(engine, mode, model, sizes, timeout_s)
         print(f"[bcg bench] {engine} {mode}: {summary_line(result['modes'][mode])}", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{engine}-{model}-{result['date'][:10]}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    write_markdown(stem.with_suffix(".md"), to_markdown(result))
+    stem = f"{engine}-{model}-{result['date'][:10]}"  # model names hold dots: no with_suffix
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    write_markdown(out_dir / f"{stem}.md", to_markdown(result))
     ok = {m: d["e2e_ms"] for m, d in result["modes"].items() if "e2e_ms" in d}
-    plot_latency(stem.with_suffix(".png"), f"{engine} {result['engine_version']}, {model}: end-to-end prefill", ok)
-    return stem.with_suffix(".json")
+    plot_latency(out_dir / f"{stem}.png", f"{engine} {result['engine_version']}, {model}: end-to-end prefill", ok)
+    return out_dir / f"{stem}.json"
 
 
 def summary_line(d: dict) -> str:

@@ -1,0 +1,178 @@
+"""One vLLM benchmark mode in this process: ``python -m bcg_adapters.vllm.bench --mode M ...``.
+
+Modes: ``eager`` (enforce_eager), ``native`` (vLLM's breakable graphs, default sizes), ``native_ladder``
+(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg``.
+Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
+``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
+wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
+contract of :mod:`bcg_plugin.bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms), ``init_s``,
+``capture_s``, ``graph_mem_gib``.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+MODES = ("eager", "native", "native_ladder", "compile", "bcg")
+
+
+def _env_for(mode: str) -> None:
+    # Must happen before vLLM is imported: the breakable-graph decorator is decided at import.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if mode in ("native", "native_ladder"):
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    else:
+        os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+
+
+class Timers:
+    """Capture time and memory around ``capture_model``, CUDA events around each model forward."""
+
+    def __init__(self) -> None:
+        self.capture_s = 0.0
+        self.graph_bytes = 0
+        self.forwards: list = []
+
+    def install(self) -> None:
+        import vllm.v1.worker.gpu.model_runner as v2
+        import vllm.v1.worker.gpu_model_runner as v1
+
+        for module in (v2, v1):
+            runner = module.GPUModelRunner
+            runner.capture_model = self._timed_capture(runner.capture_model)
+            module.set_forward_context = self._timed_context(module.set_forward_context)
+
+    def _timed_capture(self, original):
+        import torch
+
+        def capture_model(runner, *args, **kwargs):
+            torch.cuda.synchronize()
+            free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+            result = original(runner, *args, **kwargs)
+            torch.cuda.synchronize()
+            self.capture_s += time.perf_counter() - start
+            self.graph_bytes += free_before - torch.cuda.mem_get_info()[0]
+            return result
+
+        return capture_model
+
+    def _timed_context(self, original):
+        import torch
+
+        @contextlib.contextmanager
+        def set_forward_context(*args, **kwargs):
+            num_tokens = kwargs.get("num_tokens")
+            with original(*args, **kwargs):
+                if num_tokens is None:
+                    yield
+                    return
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                yield
+                end.record()
+                self.forwards.append((num_tokens, start, end))
+
+        return set_forward_context
+
+    def forward_ms(self) -> float | None:
+        """The largest forward since the last call (the prefill of the request just served)."""
+        import torch
+
+        torch.cuda.synchronize()
+        if not self.forwards:
+            return None
+        _, start, end = max(self.forwards, key=lambda f: f[0])
+        self.forwards.clear()
+        return start.elapsed_time(end)
+
+
+def engine_kwargs(mode: str, model: str, sizes: list[int]) -> dict:
+    from bcg_plugin.bench.models import model_dir
+    from bcg_plugin.ladder import reference_ladder
+
+    chunk = max(max(sizes), 2048)
+    kwargs = dict(model=str(model_dir(model)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  max_model_len=chunk + 64, max_num_batched_tokens=chunk, max_num_seqs=16, seed=0,
+                  enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    if mode == "eager":
+        kwargs["enforce_eager"] = True
+    elif mode == "native_ladder":
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
+                                        "max_cudagraph_capture_size": chunk}
+    elif mode == "bcg":
+        kwargs["additional_config"] = {"bcg": {"enable": True}}
+    return kwargs
+
+
+def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int) -> dict:
+    _env_for(mode)
+    from vllm import LLM, SamplingParams
+
+    if mode == "bcg":
+        # Installed now (the engine would install them at worker start) so the timers wrap them.
+        from bcg_adapters.vllm import plugin
+
+        plugin.register()
+        plugin.apply_runner_patches()
+    timers = Timers()
+    timers.install()
+
+    start = time.perf_counter()
+    llm = LLM(**engine_kwargs(mode, model, sizes))
+    init_s = time.perf_counter() - start
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    e2e, fwd = {}, {}
+    for n in sizes:
+        times, forwards = [], []
+        for i in range(warmup + reps):
+            prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
+            timers.forwards.clear()
+            t0 = time.perf_counter()
+            llm.generate([prompt], params, use_tqdm=False)
+            elapsed = (time.perf_counter() - t0) * 1e3
+            f = timers.forward_ms()
+            if i >= warmup:
+                times.append(elapsed)
+                if f is not None:
+                    forwards.append(f)
+        e2e[str(n)] = statistics.median(times)
+        if forwards:
+            fwd[str(n)] = statistics.median(forwards)
+        print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
+
+    result = {"mode": mode, "e2e_ms": e2e, "forward_ms": fwd, "init_s": init_s, "capture_s": timers.capture_s,
+              "graph_mem_gib": timers.graph_bytes / 2**30}
+    if mode == "bcg":
+        from bcg_adapters.vllm.graphs import INSTANCES
+
+        result["bcg_stats"] = [g.runner.stats.summary() for g in list(INSTANCES)]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--sizes", default="16,64,256,512,1024,2048,4096,8192")
+    p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    result = run(args.mode, args.model, sizes, args.reps, args.warmup)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Reading ``additional_config["bcg"]`` and deciding, from the engine config alone, whether bcg runs.
+
+Every decision here is a pure function of the :class:`vllm.config.VllmConfig`, so the front-end
+(which validates and logs once) and every worker (which only reads) reach the same answer without
+talking to each other.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from bcg_plugin import BcgConfig
+
+CONFIG_KEY = "bcg"
+SOURCE = "additional_config['bcg']"
+SUPPORTED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+
+
+def raw_bcg_config(vllm_config: Any) -> Any:
+    """The user's ``additional_config["bcg"]`` value, or ``None`` when the key is absent."""
+    additional = getattr(vllm_config, "additional_config", None)
+    if not isinstance(additional, dict):
+        return None
+    return additional.get(CONFIG_KEY)
+
+
+def bcg_config(vllm_config: Any) -> BcgConfig:
+    """The validated config; raises :class:`bcg_plugin.BcgConfigError` naming the bad key."""
+    return BcgConfig.from_mapping(raw_bcg_config(vllm_config), source=SOURCE)
+
+
+def unsupported_reason(vllm_config: Any) -> str | None:
+    """Why this engine cannot replay prefill graphs (a feature the graphs do not capture), or ``None``."""
+    model = getattr(vllm_config, "model_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    if model is None:
+        return "no model config"
+    if getattr(model, "enforce_eager", False):
+        return "enforce_eager=True skips CUDA graph capture entirely"
+    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1":
+        return "VLLM_USE_BREAKABLE_CUDAGRAPH=1 selects vLLM's own breakable graphs"
+    checks = [
+        (getattr(vllm_config, "lora_config", None) is not None, "LoRA (graphs are keyed by active adapters)"),
+        (getattr(vllm_config, "speculative_config", None) is not None, "speculative decoding"),
+        (getattr(vllm_config, "kv_transfer_config", None) is not None, "KV connectors"),
+        (getattr(parallel, "pipeline_parallel_size", 1) > 1, "pipeline parallelism"),
+        (getattr(parallel, "prefill_context_parallel_size", 1) > 1
+         or getattr(parallel, "decode_context_parallel_size", 1) > 1, "context parallelism"),
+        (bool(getattr(parallel, "enable_dbo", False)), "dual-batch overlap (micro-batching)"),
+        (getattr(model, "runner_type", "generate") != "generate", "pooling / non-generate runners"),
+        (_flag(model, "is_encoder_decoder"), "encoder-decoder models"),
+        (_flag(model, "is_multimodal_model"), "multimodal models"),
+        (_flag(model, "use_mla"), "MLA attention"),
+        (_flag(model, "is_hybrid") or _flag(model, "is_attention_free"), "hybrid / attention-free models"),
+        (_flag(model, "uses_mrope") or bool(_attr(model, "uses_xdrope_dim", 0)), "multi-dimensional RoPE positions"),
+        (bool(getattr(cache, "calculate_kv_scales", False)), "calculate_kv_scales"),
+    ]
+    for failed, what in checks:
+        if failed:
+            return f"{what} is not supported by bcg prefill graphs"
+    return None
+
+
+def prefill_graphs_wanted(vllm_config: Any) -> bool:
+    """Enabled, not excluded, and the front-end put the launch flags in place (torch.compile off).
+
+    The last condition keeps a worker from capturing around a compiled model when the config was
+    built in a process where the plugin was not loaded (e.g. filtered out by ``VLLM_PLUGINS``).
+    """
+    if not bcg_config(vllm_config).active or unsupported_reason(vllm_config) is not None:
+        return False
+    from vllm.config.compilation import CompilationMode
+
+    return vllm_config.compilation_config.mode == CompilationMode.NONE
+
+
+def _attr(obj: Any, name: str, default: Any) -> Any:
+    try:
+        return getattr(obj, name, default)
+    except Exception:  # some ModelConfig properties need the HF config; absent means "not that"
+        return default
+
+
+def _flag(obj: Any, name: str) -> bool:
+    return bool(_attr(obj, name, False))

@@ -1,0 +1,34 @@
+"""``VllmConfig.__post_init__``: validate ``additional_config["bcg"]`` and set bcg's launch flags.
+
+Runs before the original, so torch.compile is off and decode keeps FULL graphs before vLLM applies
+its optimisation-level defaults (see :mod:`bcg_adapters.vllm.launch`). A pass-through when the
+config has no ``"bcg"`` key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from bcg_patches.vllm._patch import Patch
+
+
+def make(original):
+    @functools.wraps(original)
+    def __post_init__(self, *args, **kwargs):
+        from bcg_adapters.vllm.launch import configure_engine
+
+        configure_engine(self)
+        return original(self, *args, **kwargs)
+
+    return __post_init__
+
+
+PATCH = Patch(
+    module="vllm.config.vllm",
+    qualname="VllmConfig.__post_init__",
+    params=["self"],
+    make=make,
+    reason="validate additional_config['bcg'] at engine start; turn torch.compile off and keep "
+           "FULL decode graphs when bcg is enabled, before optimisation-level defaults apply",
+    remove_when="vLLM lets a general plugin adjust the config before defaults (a config hook)",
+)

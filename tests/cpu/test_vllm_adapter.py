@@ -1,0 +1,316 @@
+"""The vLLM adapter against the real vllm 0.26.0 package, on CPU (no engine is started)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from bcg_adapters.vllm import launch, plugin  # noqa: E402
+from bcg_patches.vllm import ALL, ENTRY, RUNNER, Patch, PatchSet, PatchTargetError  # noqa: E402
+from bcg_plugin import LiveBatch, live  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(autouse=True)
+def clean_plugin_state():
+    plugin.unregister()
+    launch._logged.clear()
+    yield
+    plugin.unregister()
+    launch._logged.clear()
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    from vllm.config import ModelConfig
+
+    from bcg_plugin.bench.models import model_dir
+
+    return ModelConfig(model=str(model_dir("qwen3-0.6b")), skip_tokenizer_init=True)
+
+
+def make_config(model_config, **kwargs):
+    from vllm.config import DeviceConfig, VllmConfig
+
+    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"), **kwargs)
+
+
+def bcg_records(caplog):
+    return [r for r in caplog.records if "bcg" in r.getMessage()]
+
+
+def is_patched(patch) -> bool:
+    if hasattr(patch, "_saved"):
+        return getattr(patch.original(), "__bcg_patch__", None) is not None
+    return patch.applied
+
+
+# -- discovery and registration ------------------------------------------------------------------
+
+
+def test_entry_point_is_declared_and_loads_register():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in eps if ep.name == "bcg"]
+    assert [ep.value for ep in ours] == ["bcg_adapters.vllm:register"]
+    assert ours[0].load() is plugin.register
+
+
+def test_register_is_reentrant_and_harmless_when_not_enabled(model_config, caplog):
+    from vllm.config import VllmConfig
+
+    before = make_config(model_config).compilation_config
+    original_post_init = VllmConfig.__dict__["__post_init__"]
+    with caplog.at_level(logging.DEBUG, logger="vllm.bcg"):
+        plugin.register()
+        plugin.register()
+        after = make_config(model_config).compilation_config
+    assert VllmConfig.__dict__["__post_init__"].__bcg_patch__ is original_post_init  # wrapped once
+    assert (after.mode, after.cudagraph_mode) == (before.mode, before.cudagraph_mode)
+    assert not RUNNER.applied and not any(is_patched(p) for p in RUNNER.patches)
+    assert bcg_records(caplog) == []
+
+
+def test_runner_patches_wait_for_a_config_that_enables_bcg(model_config):
+    plugin.register()
+    assert plugin.arm_runner_patches(make_config(model_config)) is False
+    assert not any(is_patched(p) for p in RUNNER.patches)
+    enabled = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    assert plugin.arm_runner_patches(enabled) is True
+    assert all(is_patched(p) for p in RUNNER.patches)
+    assert plugin.runs_bcg(enabled) and not plugin.runs_bcg(make_config(model_config))
+
+
+# -- patch targets -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("patch", ALL, ids=lambda p: p.target)
+def test_every_patch_target_has_the_expected_signature(patch):
+    patch.verify()
+    assert patch.reason and patch.remove_when
+
+
+def test_a_changed_signature_is_refused_and_nothing_is_applied():
+    bad = Patch(module="vllm.v1.worker.gpu.cudagraph_utils", qualname="CudaGraphManager.dispatch",
+                params=["self", "num_tokens"], make=lambda f: f, reason="test", remove_when="never")
+    missing = Patch(module="vllm.v1.worker.gpu.cudagraph_utils", qualname="CudaGraphManager.no_such_method",
+                    params=["self"], make=lambda f: f, reason="test", remove_when="never")
+    good = ENTRY.patches[0]
+    for broken in (bad, missing):
+        with pytest.raises(PatchTargetError, match="CudaGraphManager"):
+            PatchSet("t", [good, broken]).apply()
+        assert not is_patched(good)
+
+
+def test_patch_sets_apply_and_unapply_cleanly():
+    originals = {p.target: p.original() for p in ALL if hasattr(p, "_saved")}
+    ENTRY.apply()
+    RUNNER.apply()
+    assert all(is_patched(p) for p in ALL)
+    RUNNER.apply()  # idempotent: no double wrapping
+    assert all(getattr(p.original(), "__bcg_patch__", None) is originals[p.target] for p in ALL if hasattr(p, "_saved"))
+    RUNNER.unapply()
+    ENTRY.unapply()
+    assert all(p.original() is originals[p.target] for p in ALL if hasattr(p, "_saved"))
+    assert not any(is_patched(p) for p in ALL)
+    for p in ALL:  # still the same targets afterwards
+        p.verify()
+
+
+# -- config --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"max_tokenz": 512}, "max_tokenz"),
+    ({"enable": "maybe"}, "enable"),
+    ({"enable": True, "max_tokens": -1}, "max_tokens"),
+    ({"enable": True, "sizes": [16, 4096], "max_tokens": 1024}, "sizes"),
+    ({"enable": True, "capture_failure": "ignore"}, "capture_failure"),
+])
+def test_config_errors_name_the_key(model_config, raw, key):
+    plugin.register()
+    with pytest.raises(ValueError) as err:
+        make_config(model_config, additional_config={"bcg": raw})
+    assert "additional_config['bcg']" in str(err.value)
+    assert key in str(err.value)
+
+
+def test_enabling_turns_torch_compile_off(model_config):
+    from vllm.config.compilation import CompilationMode
+
+    plugin.register()
+    cfg = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    assert cfg.compilation_config.mode == CompilationMode.NONE
+    assert make_config(model_config).compilation_config.mode != CompilationMode.NONE
+
+
+@pytest.mark.parametrize("user_mode, expected", [
+    (None, "FULL_DECODE_ONLY"), ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"), ("PIECEWISE", "FULL_DECODE_ONLY"),
+    ("NONE", "NONE"), ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+])
+def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected):
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    cc = CompilationConfig(cudagraph_mode=None if user_mode is None else CUDAGraphMode[user_mode])
+    cfg = types.SimpleNamespace(additional_config={"bcg": {"enable": True}}, compilation_config=cc,
+                                model_config=model_config)
+    launch.configure_engine(cfg)
+    assert cc.mode == CompilationMode.NONE
+    assert cc.cudagraph_mode == CUDAGraphMode[expected]
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({"enforce_eager": True}, "enforce_eager"),
+    ({"lora_config": object()}, "LoRA"),
+    ({"speculative_config": object()}, "speculative"),
+])
+def test_unsupported_setups_log_one_line_and_change_nothing(model_config, caplog, extra, reason):
+    from vllm.config import CompilationConfig
+
+    mc = types.SimpleNamespace(**{"enforce_eager": False, **{k: v for k, v in extra.items() if k == "enforce_eager"}})
+    cfg = types.SimpleNamespace(additional_config={"bcg": {"enable": True}}, compilation_config=CompilationConfig(),
+                                model_config=mc, **{k: v for k, v in extra.items() if k != "enforce_eager"})
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        launch.configure_engine(cfg)
+        launch.configure_engine(cfg)
+    records = bcg_records(caplog)
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and reason in records[0].getMessage()
+    assert cfg.compilation_config.mode is None and cfg.compilation_config.cudagraph_mode is None
+
+
+# -- unknown vLLM --------------------------------------------------------------------------------
+
+
+def _nothing_patched() -> bool:
+    return not any(is_patched(p) for p in ALL)
+
+
+def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog, model_config):
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.27.0")
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        plugin.register()
+        plugin.register()
+        cfg = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    records = bcg_records(caplog)
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    assert "0.27.0" in records[0].getMessage()
+    assert _nothing_patched()
+    assert cfg.compilation_config.mode != 0  # the bcg config was not acted on
+
+
+def test_changed_entry_target_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog):
+    monkeypatch.setattr(ENTRY.patches[1], "params", ["self", "local_rank"])
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        plugin.register()
+        plugin.register()
+    records = bcg_records(caplog)
+    assert len(records) == 1 and "expected patch targets" in records[0].getMessage()
+    assert _nothing_patched()
+
+
+# -- dispatch: bucket choice goes through vLLM's dispatch (and so its DP sync) ------------------------
+
+
+class FakeGraphs:
+    buckets = [16, 32, 48, 64]
+
+    def bucket_for(self, n):
+        return next((b for b in self.buckets if b >= n), None)
+
+
+def test_v2_dispatch_pads_eager_batches_to_a_bucket_and_keeps_full_decode():
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
+
+    from bcg_patches.vllm import v2_cudagraph_manager_dispatch as mod
+
+    def original(self, num_reqs, num_tokens, uniform, loras):
+        if uniform == 1 and num_tokens <= 8:
+            return Desc(CUDAGraphMode.FULL, 8, 8, 1)
+        return Desc(CUDAGraphMode.NONE, num_tokens, num_reqs)
+
+    dispatch = mod.make(original)
+    manager = types.SimpleNamespace(_bcg_graphs=FakeGraphs())
+    assert dispatch(manager, 5, 5, 1, 0).cg_mode == CUDAGraphMode.FULL
+    desc = dispatch(manager, 3, 37, None, 0)
+    assert (desc.cg_mode, desc.num_tokens, desc.num_reqs) == (CUDAGraphMode.PIECEWISE, 48, None)
+    assert dispatch(manager, 3, 48, None, 0).num_tokens == 48  # DP re-dispatch at the synced size
+    assert dispatch(manager, 3, 65, None, 0).cg_mode == CUDAGraphMode.NONE  # above the top bucket
+    assert dispatch(types.SimpleNamespace(), 3, 37, None, 0).cg_mode == CUDAGraphMode.NONE  # bcg off
+
+
+def test_v1_dispatch_answers_the_dp_redispatch_without_tripping_vllms_assert():
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+
+    from bcg_patches.vllm import v1_cudagraph_dispatcher_dispatch as mod
+
+    def original(self, n, uniform, has_lora, loras, valid, invalid):
+        allowed = set(valid or CUDAGraphMode.valid_runtime_modes()) - set(invalid or ())
+        if uniform and n <= 8 and CUDAGraphMode.FULL in allowed:
+            return CUDAGraphMode.FULL, BatchDescriptor(8, num_reqs=8, uniform=True)
+        assert CUDAGraphMode.NONE in allowed
+        return CUDAGraphMode.NONE, BatchDescriptor(n)
+
+    dispatch = mod.make(original)
+    d = types.SimpleNamespace(_bcg_graphs=FakeGraphs())
+    assert dispatch(d, 6, uniform_decode=True)[0] == CUDAGraphMode.FULL
+    mode, desc = dispatch(d, 37)
+    assert (mode, desc.num_tokens, desc.num_reqs, desc.uniform) == (CUDAGraphMode.PIECEWISE, 48, None, False)
+    assert dispatch(d, 37, valid_modes={CUDAGraphMode.NONE})[0] == CUDAGraphMode.NONE  # forced eager
+    # DP re-dispatch: only PIECEWISE allowed, the size must come back unchanged.
+    assert dispatch(d, 48, valid_modes={CUDAGraphMode.PIECEWISE}) [1].num_tokens == 48
+    mode, desc = dispatch(d, 40, valid_modes={CUDAGraphMode.PIECEWISE})
+    assert (mode, desc.num_tokens) == (CUDAGraphMode.PIECEWISE, 40)
+    assert dispatch(d, 100)[0] == CUDAGraphMode.NONE
+
+
+# -- the attention break reads the batch the replay path binds -----------------------------------
+
+
+class RecordingImpl:
+    def __init__(self):
+        self.seen = []
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, **_):
+        self.seen.append(attn_metadata)
+        output.fill_(1.0)
+
+
+def fake_context(metadata, impl):
+    layer = types.SimpleNamespace(impl=impl, kv_cache=None)
+    return types.SimpleNamespace(attn_metadata={"layer.0": metadata}, no_compile_layers={"layer.0": layer},
+                                 slot_mapping={})
+
+
+def test_attention_kernel_binds_the_live_batch_and_scrubs_padded_rows():
+    import vllm.forward_context as fc
+
+    impl = RecordingImpl()
+    vllm_ctx, bound_ctx = fake_context("vllm's", impl), fake_context("bound", impl)
+    op = torch.ops.vllm.unified_attention_with_output
+    q = torch.zeros(8, 2, 4)
+    out = torch.zeros(8, 2, 4)
+
+    RUNNER.patches[-1].apply()
+    try:
+        with fc.override_forward_context(vllm_ctx):
+            op(q, q, q, out, "layer.0")  # no bcg batch bound: vLLM's context, all rows written
+            assert impl.seen[-1] == "vllm's" and out.eq(1).all()
+            with live.bound(LiveBatch(num_tokens=5, bucket=8, payload=bound_ctx)):
+                op(q, q, q, out, "layer.0")
+            assert impl.seen[-1] == "bound"
+            assert out[:5].eq(1).all() and out[5:].eq(0).all()  # padded rows scrubbed
+    finally:
+        RUNNER.patches[-1].unapply()
+    with fc.override_forward_context(vllm_ctx), live.bound(LiveBatch(5, 8, bound_ctx)):
+        op(q, q, q, out, "layer.0")
+    assert impl.seen[-1] == "vllm's"  # the original kernel is back
