@@ -1,0 +1,97 @@
+"""Attention as bcg's eager break: the one per-layer call that runs live at every replay.
+
+At replay no model Python runs; only this break does. Everything batch-shaped it needs comes from
+the live forward bound by the core (:func:`bcg_plugin.live.current`), never from capture-time
+values: the SGLang ``ForwardBatch`` (its attention metadata already planned by the runner), the
+real-row count, and the layer objects. The SGLang attention backend (triton, flashinfer, fa3 ...)
+is called directly, skipping the torch-op dispatcher and SGLang's process-global context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from bcg_plugin import BcgStateError, eager_break, live
+
+# Per-token keyword arguments RadixAttention may pass through; narrowed to the real rows.
+_PER_TOKEN_KWARGS = ("q_rope", "k_rope", "topk_indices")
+
+
+@dataclasses.dataclass
+class ForwardPass:
+    """What one captured or replayed forward hands to its breaks (the core's ``payload``).
+
+    Attributes:
+        forward_batch: SGLang's batch for this forward: the live one at replay (metadata
+            planned on it), the dummy one at capture.
+        attn_backend: the model runner's attention backend.
+        attention_layers: ``layer_id -> RadixAttention`` as SGLang collected them.
+        forward_kwargs: extra ``model.forward`` kwargs for the eager logits tail.
+    """
+
+    forward_batch: Any
+    attn_backend: Any
+    attention_layers: list[Any]
+    forward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def capturing() -> bool:
+    """True while bcg captures or replays an SGLang forward in this thread."""
+    batch = live.get()
+    return batch is not None and isinstance(batch.payload, ForwardPass)
+
+
+def refuse(what: str) -> None:
+    raise BcgStateError(f"bcg cannot capture {what}; this model runs prefill eagerly")
+
+
+@eager_break(outputs=("output",))
+def bcg_attention(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    output: torch.Tensor,
+    save_kv_cache: bool,
+    layer_id: int,
+    *,
+    use_mha_companion: bool = False,
+    key_value_num_tokens: int | None = None,
+    **kwargs: Any,
+) -> None:
+    """RadixAttention's extend attention on the live batch's real rows, written into ``output``."""
+    if use_mha_companion or key_value_num_tokens is not None:
+        refuse("MHA-companion / fixed-capacity prefix attention")
+    batch = live.current()
+    fwd: ForwardPass = batch.payload
+    fb = fwd.forward_batch
+    # Rows the core landed (DP may pad the batch itself); attention sees only the real ones.
+    n = _real_rows(fb, batch.num_tokens)
+    for name in _PER_TOKEN_KWARGS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name][:n]
+    # Backends that write in place (triton, fa3) take the output slot from the batch.
+    fb._attn_output = output[:n]
+    try:
+        ret = fwd.attn_backend.forward(
+            query[:n],
+            None if key is None else key[:n],
+            None if value is None else value[:n],
+            fwd.attention_layers[layer_id],
+            fb,
+            save_kv_cache,
+            **kwargs,
+        )
+    finally:
+        fb._attn_output = None
+    if ret.data_ptr() != output.data_ptr():
+        output[:n].view(ret.shape).copy_(ret)
+    if n < batch.num_tokens:  # DP padding rows inside the landed rows (the core scrubs the rest)
+        output[n : batch.num_tokens].zero_()
+
+
+def _real_rows(fb: Any, landed: int) -> int:
+    real = getattr(fb, "num_token_non_padded_cpu", None)
+    return landed if real is None else min(int(real), landed)

@@ -1,0 +1,111 @@
+"""One SGLang benchmark mode in its own process: ``python -m bcg_adapters.sglang.bench --mode M ...``.
+
+Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its CUDA default),
+``tc_piecewise`` (torch.compile piecewise graphs) and ``bcg``. Per N: the median end-to-end
+``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
+and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
+(N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
+:mod:`bcg_plugin.bench.harness`). Forward times and capture figures come from the bench-only
+patches, installed in the schedulers because this script sets ``BCG_BENCH_RECORD``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
+
+
+def _records(path: Path, kind: str, skip: int = 0) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()[skip:]
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int) -> dict:
+    import sglang
+
+    from bcg_plugin.bench.models import model_dir
+
+    record = Path(tempfile.mkdtemp(prefix="bcg-sglang-bench-")) / "record.jsonl"
+    os.environ["BCG_BENCH_RECORD"] = str(record)
+    chunk = max(max(sizes), 16)
+    t0 = time.perf_counter()
+    engine = sglang.Engine(
+        model_path=str(model_dir(model)),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        attention_backend="triton",
+        disable_radix_cache=True,
+        chunked_prefill_size=chunk,
+        cuda_graph_backend_prefill=MODES[mode],
+        log_level="warning",
+    )
+    init_s = time.perf_counter() - t0
+    rng = random.Random(seed)
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    e2e, fwd = {}, {}
+    try:
+        for n in sizes:
+            ids = [rng.randrange(100, 150000) for _ in range(n)]
+            for _ in range(warmup):
+                engine.generate(input_ids=ids, sampling_params=params)
+            mark = _line_count(record)
+            times = []
+            for _ in range(iters):
+                s = time.perf_counter()
+                engine.generate(input_ids=ids, sampling_params=params)
+                times.append((time.perf_counter() - s) * 1e3)
+            e2e[str(n)] = statistics.median(times)
+            forwards = [r["ms"] for r in _records(record, "forward", mark) if r["tokens"] == n]
+            if forwards:
+                fwd[str(n)] = statistics.median(forwards)
+    finally:
+        engine.shutdown()
+    capture = (_records(record, "capture") or [{}])[-1]
+    return {
+        "mode": mode,
+        "prefill_backend_flag": MODES[mode],
+        "e2e_ms": e2e,
+        "forward_ms": fwd,
+        "init_s": init_s,
+        "capture_s": capture.get("seconds", 0.0),
+        "graph_mem_gib": capture.get("memory_gib", 0.0),
+        "prefill_runner": capture.get("runner"),
+        "bcg_pool_gib": capture.get("bcg_pool_gib"),
+        "chunked_prefill_size": chunk,
+        "warmup": warmup,
+        "iters": iters,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", required=True, choices=sorted(MODES))
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--sizes", default="16,64,256,512,1024,2048,4096,8192")
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    sizes = sorted({int(s) for s in a.sizes.split(",") if s.strip()})
+    result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("mode", "e2e_ms", "forward_ms", "init_s", "capture_s", "graph_mem_gib")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Which SGLang model runners bcg serves; the rest keep SGLang's own prefill runner.
+
+Only what bcg's capture reproduces faithfully is accepted: a dense decoder whose attention goes
+through ``RadixAttention``'s unified breakable op, on a backend whose extend path reads the live
+batch. Everything else is named in one log line and left to SGLang.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# Backends whose forward_extend reads per-batch state only from the ForwardBatch and from
+# init_forward_metadata (which bcg calls on the live batch before every replay).
+SUPPORTED_ATTENTION_BACKENDS = ("TritonAttnBackend", "FlashInferAttnBackend", "FlashAttentionBackend")
+
+
+def runner_reason(model_runner: Any) -> str | None:
+    """Why bcg must not serve this runner (checked before SGLang's gates run), or ``None``."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+
+    server_args = model_runner.server_args
+    if not check_cuda_graph_backend(Phase.PREFILL, Backend.BREAKABLE):
+        backend = server_args.cuda_graph_config.prefill.backend
+        return f"SGLang resolved the prefill graph backend to {backend!r}; bcg replaces 'breakable' only"
+    if model_runner.is_draft_worker:
+        return "speculative draft worker"
+    if not model_runner.spec_algorithm.is_none():
+        return "speculative decoding (target hidden-state capture)"
+    if server_args.enable_lora:
+        return "LoRA adapters"
+    if model_runner.pp_group.world_size > 1:
+        return "pipeline parallelism"
+    if getattr(model_runner, "dcp_size", 1) > 1:
+        return "decode context parallelism"
+    if model_runner.model_config.is_multimodal:
+        return "multimodal model"
+    if not model_runner.is_generation:
+        return "embedding/reward model"
+    name = type(model_runner.attn_backend).__name__
+    if name not in SUPPORTED_ATTENTION_BACKENDS:
+        return f"attention backend {name} (bcg supports {', '.join(SUPPORTED_ATTENTION_BACKENDS)})"
+    return None
+
+
+def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
+    """Why the collected layers are not bcg-capturable (checked once SGLang collected them)."""
+    for name in ("moe_layers", "dsa_indexers", "mha_companion_layers"):
+        if any(x is not None for x in getattr(model_runner, name, None) or ()):
+            return f"model has {name.replace('_', ' ')} (breaks bcg does not own)"
+    if "input_embeds" not in inspect.signature(layer_model.forward).parameters:
+        return f"{type(layer_model).__name__}.forward takes no input_embeds (bcg keeps embedding outside the graph)"
+    if embedding_of(layer_model) is None:
+        return f"{type(layer_model).__name__} exposes no input embedding"
+    return None
+
+
+def embedding_of(layer_model: Any) -> Any:
+    getter = getattr(layer_model, "get_input_embeddings", None)
+    if getter is not None:
+        try:
+            return getter()
+        except (AttributeError, NotImplementedError):
+            pass
+    return getattr(layer_model, "embed_tokens", None)

@@ -1,0 +1,47 @@
+"""Bench-only: ``ModelRunner.forward`` timed with CUDA events for extend forwards.
+
+Installed only when ``BCG_BENCH_RECORD`` names a file (the benchmark script sets it for its own
+engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "graph"}`` to it. The
+synchronisation it adds makes it unfit for serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from bcg_patches.sglang.base import Patch
+
+TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+
+
+def around_forward(original_fn, self, forward_batch, *args, **kwargs):
+    import torch
+
+    from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
+
+    path = os.environ.get(BENCH_RECORD_ENV)
+    if not path or not forward_batch.forward_mode.is_extend():
+        return original_fn(self, forward_batch, *args, **kwargs)
+    tokens = len(forward_batch.input_ids)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = original_fn(self, forward_batch, *args, **kwargs)
+    end.record()
+    end.synchronize()
+    record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end),
+              "graph": bool(getattr(out, "can_run_graph", False))}
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return out
+
+
+PATCH = Patch(
+    target=TARGET,
+    kind="AROUND",
+    hook=around_forward,
+    params=("self", "forward_batch"),
+    reason="benchmark only: model-forward time of prefill forwards (CUDA events)",
+    versions=">=0.5.17,<0.5.18",
+    remove_when="SGLang's device timer exposes per-forward prefill times to clients",
+)

@@ -1,0 +1,359 @@
+"""The SGLang adapter against the real sglang 0.5.17 package, on CPU.
+
+In-process tests only read SGLang (resolve targets, signatures); anything that installs hooks runs
+in a fresh interpreter, as SGLang's own spawned schedulers do, so this process stays unpatched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from importlib.metadata import entry_points
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+pytest.importorskip("sglang")
+
+from bcg_adapters import sglang as adapter  # noqa: E402
+from bcg_adapters.sglang import eligibility, settings  # noqa: E402
+from bcg_adapters.sglang.runner import BcgPrefillRunner  # noqa: E402
+from bcg_adapters.sglang.stats_log import StatsLogger  # noqa: E402
+from bcg_patches.sglang import Patch, install, verify  # noqa: E402
+from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, RuntimeStats, plugin_manager  # noqa: E402
+
+QWEN3_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "hidden_act": "silu", "attention_bias": False,
+}
+RUNTIME_TARGETS = {
+    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph",
+    "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output",
+    "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
+    "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs",
+}
+LAUNCH_TARGETS = {"sglang.srt.server_args.ServerArgs.__post_init__"}
+
+
+# -- discovery and targets ---------------------------------------------------------------------
+
+
+def test_entry_point_is_declared_and_loads():
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "bcg"]
+    assert len(eps) == 1
+    assert eps[0].value == "bcg_adapters.sglang:register"
+    assert eps[0].load() is adapter.register
+
+
+def test_installed_sglang_is_supported():
+    assert adapter.version_problem(adapter.sglang_version()) is None
+
+
+@pytest.mark.parametrize(
+    "found, fragment",
+    [("0.5.18", "outside the supported range"), ("0.4.9", "outside"), ("not-a-version", "not a valid"),
+     (None, "not installed")],
+)
+def test_version_gate(found, fragment):
+    assert fragment in adapter.version_problem(found)
+
+
+def all_patches():
+    os.environ[settings.BENCH_RECORD_ENV] = "/dev/null"
+    try:
+        return adapter._patch_set(runtime=True)
+    finally:
+        os.environ.pop(settings.BENCH_RECORD_ENV)
+
+
+def test_every_target_resolves_with_the_expected_signature():
+    patches = all_patches()
+    assert {p.target for p in patches} >= RUNTIME_TARGETS | LAUNCH_TARGETS
+    problems = {p.target: verify(p) for p in patches}
+    assert all(msg is None for msg in problems.values()), problems
+
+
+def test_every_patch_documents_reason_range_and_removal():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "patches", "README.md")).read()
+    for p in all_patches():
+        assert p.reason and p.remove_when and SpecifierSet(p.versions) == settings.SUPPORTED_SGLANG
+        assert f"`{p.target}`" in readme, f"{p.target} missing from patches/README.md"
+
+
+def test_changed_signature_is_reported_naming_the_target():
+    target = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
+    msg = verify(Patch(target=target, kind="AROUND", reason="r", versions="v", remove_when="w",
+                       hook=lambda *a, **k: None, params=("model_runner", "renamed_argument")))
+    assert target in msg and "renamed_argument" in msg
+
+
+def test_install_is_all_or_nothing():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    good = adapter._patch_set(runtime=True)[-1]
+    bad = Patch(target="sglang.srt.no_such_module.fn", kind="AROUND", reason="r", versions="v",
+                remove_when="w", hook=lambda *a, **k: None)
+    report = install([good, bad])
+    assert not report.ok and report.installed == []
+    assert any("sglang.srt.no_such_module.fn" in p for p in report.problems)
+    assert good.target not in HookRegistry._hooks  # nothing was registered
+
+
+def test_unknown_version_warns_once_and_patches_nothing(monkeypatch, caplog):
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(adapter, "_registered", False)
+    monkeypatch.setattr(adapter, "_active", False)
+    monkeypatch.setattr(adapter, "sglang_version", lambda: "0.6.0")
+    monkeypatch.setenv("BCG_ENABLE", "1")
+    before = tuple(Backend.ALL)
+    with caplog.at_level(logging.INFO, logger="bcg_plugin"):
+        adapter.register()
+        adapter.register()  # re-entrant: still one warning
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("bcg_plugin")]
+    assert len(warnings) == 1 and "0.6.0" in warnings[0].getMessage()
+    assert not adapter.is_active()
+    assert tuple(Backend.ALL) == before
+    assert not (RUNTIME_TARGETS | LAUNCH_TARGETS) & set(HookRegistry._hooks)
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, key",
+    [({"BCG_SIZES": "16,abc"}, "'sizes'"), ({"BCG_MAX_TOKENS": "-4"}, "'max_tokens'"),
+     ({"BCG_ENABLE": "maybe"}, "'enable'"), ({"BCG_MAX_PADDING_RATIO": "0.5"}, "'max_padding_ratio'"),
+     ({"BCG_CAPTURE_FAILURE": "ignore"}, "'capture_failure'"),
+     ({"BCG_STATS_INTERVAL_S": "soon"}, "'BCG_STATS_INTERVAL_S'"),
+     ({"BCG_SIZES": "16,4096", "BCG_MAX_TOKENS": "2048"}, "'sizes'")],
+)
+def test_config_errors_name_the_key(env, key):
+    with pytest.raises(BcgConfigError) as e:
+        settings.read_config(env)
+    assert key in str(e.value)
+
+
+def test_config_defaults_off_and_reads_env():
+    assert not settings.read_config({}).active
+    cfg = settings.read_config({"BCG_ENABLE": "1", "BCG_SIZES": "64,16,32", "BCG_MAX_TOKENS": "64"})
+    assert cfg.active and cfg.sizes == (16, 32, 64) and cfg.max_tokens == 64
+    assert settings.stats_interval({"BCG_STATS_INTERVAL_S": "0"}) == 0.0
+
+
+# -- runtime pieces that need no GPU ------------------------------------------------------------
+
+
+def test_stats_logger_logs_once_per_interval_and_only_on_change(caplog):
+    now = [0.0]
+    stats = RuntimeStats()
+    log = StatsLogger(stats, 10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert log.maybe_log() is None  # interval not elapsed
+        now[0] = 11.0
+        stats.record_replay(32, 30)
+        line = log.maybe_log()
+        assert line is not None and "replays=1" in line
+        now[0] = 30.0
+        assert log.maybe_log() is None  # unchanged counters: no repeated line
+        stats.record_replay(32, 20)
+        now[0] = 45.0
+        assert "replays=2" in log.maybe_log()
+    assert sum("bcg prefill graphs" in r.getMessage() for r in caplog.records) == 2
+    assert StatsLogger(stats, 0.0, clock=lambda: 1e9).maybe_log() is None
+
+
+def test_layers_reason_rejects_what_bcg_does_not_capture():
+    class Body:
+        def __init__(self):
+            self.embed_tokens = object()
+
+        def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+            return None
+
+    class NoEmbeds(Body):
+        def forward(self, input_ids, positions, forward_batch):
+            return None
+
+    dense = types.SimpleNamespace(moe_layers=[None] * 2, dsa_indexers=None, mha_companion_layers=[None, None])
+    assert eligibility.layers_reason(dense, Body()) is None
+    assert eligibility.embedding_of(Body()) is not None
+    moe = types.SimpleNamespace(moe_layers=[None, object()], dsa_indexers=None, mha_companion_layers=None)
+    assert "moe layers" in eligibility.layers_reason(moe, Body())
+    assert "input_embeds" in eligibility.layers_reason(dense, NoEmbeds())
+
+
+def vote_runner(sizes=(16, 32, 64), ratio=None):
+    """A BcgPrefillRunner whose core is a real, CPU-built core marked captured (no GPU work)."""
+    cfg = BcgConfig(enable=True, sizes=sizes, max_padding_ratio=ratio)
+    core = PrefillGraphRunner(plugin_manager(), cfg, chunk_size=max(sizes), device="cpu")
+    core._graphs = {b: None for b in core.buckets}
+    runner = object.__new__(BcgPrefillRunner)
+    runner.core = core
+    runner.stats_logger = StatsLogger(core.stats, 0)
+    runner._planned = None
+    return runner
+
+
+def vote(runner, **overrides):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    args = dict(batch_size=2, num_tokens=40, input_embeds=None, replace_embeds=None, prefix_lens=[0, 3],
+                is_target_verify=False, capture_hidden_mode=CaptureHiddenMode.NULL, return_logprob=True)
+    args.update(overrides)
+    return runner.can_replay_locally(**args)
+
+
+def test_vote_accepts_mixed_and_prefix_batches_and_rejects_uncaptured_features():
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    r = vote_runner()
+    assert vote(r) and vote(r, num_tokens=None) and vote(r, num_tokens=64)
+    assert not vote(r, num_tokens=65)  # above the top bucket
+    assert not vote(r, input_embeds=object()) and not vote(r, replace_embeds=object())
+    assert not vote(r, is_target_verify=True) and not vote(r, lora_ineligible=True)
+    assert not vote(r, capture_hidden_mode=CaptureHiddenMode.FULL)
+    assert not vote(vote_runner(ratio=1.5), num_tokens=40)  # 64 > 1.5 * 40
+    uncaptured = vote_runner()
+    uncaptured.core._graphs = {}
+    assert not vote(uncaptured)
+
+
+def fake_batch(n, across=None, agreed=True):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    return types.SimpleNamespace(
+        batch_size=1, input_ids=[0] * n, input_embeds=None, replace_embeds=None, extend_prefix_lens_cpu=[0],
+        forward_mode=ForwardMode.EXTEND, capture_hidden_mode=CaptureHiddenMode.NULL, return_logprob=False,
+        global_num_tokens_cpu=across, can_run_dp_breakable_cuda_graph=agreed,
+    )
+
+
+def test_dp_ranks_replay_together_or_not_at_all():
+    r = vote_runner()
+    fb = fake_batch(30, across=[10, 30])
+    assert r.can_run_graph(fb) and r._planned == (fb, 32)  # bucket from the max over ranks
+    assert not r.can_run_graph(fake_batch(30, across=[10, 30], agreed=False))  # a rank voted no
+    assert not r.can_run_graph(fake_batch(30, across=[0, 30]))  # an idle rank
+    assert r.core.stats.fallbacks["dp_disagreement"] == 2
+    assert not r.can_run_graph(fake_batch(65))
+    assert r.core.stats.fallbacks["over_top_bucket"] == 1
+
+
+def test_execute_refuses_a_batch_it_did_not_plan():
+    r = vote_runner()
+    with pytest.raises(RuntimeError, match="can_run_graph"):
+        r.execute(fake_batch(8))
+
+
+# -- registration in a fresh interpreter (SGLang's spawn) ---------------------------------------
+
+
+SCENARIO = textwrap.dedent(
+    """
+    import json, os, sys
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    load_plugins()
+    import bcg_adapters.sglang as adapter
+    from bcg_adapters.sglang import register
+    from bcg_patches.sglang.base import is_installed
+    register()  # re-entrant: must not register anything twice
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+    out = {"active": adapter.is_active(), "backends": list(Backend.ALL),
+           "hooks": {t: len(h) for t, h in HookRegistry._hooks.items()},
+           "installed": [p.target for p in adapter._patch_set(runtime=True) if is_installed(p)],
+           "capture_wrapped": hasattr(cuda_graph_setup.capture_prefill_graph, "__wrapped__")}
+    model = sys.argv[1]
+    base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
+    os.environ.pop("BCG_ENABLE", None)
+    def parse(extra):
+        try:
+            a = prepare_server_args(base + extra)
+            return {"flag": a.cuda_graph_backend_prefill, "prefill": a.cuda_graph_config.prefill.backend,
+                    "env": os.environ.get("BCG_ENABLE")}
+        except SystemExit as e:
+            return {"exit": e.code}
+        except Exception as e:
+            return {"error": type(e).__name__, "message": str(e)}
+    out["cli_plain"] = parse([])
+    out["cli_bcg"] = parse(["--cuda-graph-backend-prefill", "bcg"])
+    out["cli_after"] = parse([])  # a later launch without the flag does not inherit it
+    out["cli_decode_bcg"] = parse(["--cuda-graph-backend-decode", "bcg"])
+    try:
+        a = ServerArgs(model_path=model, skip_tokenizer_init=True, load_format="dummy", device="cpu",
+                       cuda_graph_backend_prefill="bcg")
+        out["engine_kwargs"] = {"flag": a.cuda_graph_backend_prefill, "env": os.environ.get("BCG_ENABLE")}
+    except Exception as e:
+        out["engine_kwargs"] = {"error": type(e).__name__, "message": str(e)}
+    os.environ["BCG_SIZES"] = "16,x"
+    out["cli_bad_sizes"] = parse(["--cuda-graph-backend-prefill", "bcg"])
+    print("SCENARIO " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3-0.6b-config")
+    (d / "config.json").write_text(json.dumps(QWEN3_CONFIG))
+    return str(d)
+
+
+def run_scenario(model_dir, **env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("BCG_")}
+    full.update(env, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", SCENARIO, model_dir], env=full, capture_output=True,
+                          text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SCENARIO ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("SCENARIO "):])
+
+
+@pytest.fixture(scope="module")
+def enabled(model_dir):
+    return run_scenario(model_dir, BCG_ENABLE="1")
+
+
+@pytest.fixture(scope="module")
+def not_enabled(model_dir):
+    return run_scenario(model_dir)
+
+
+def test_enabled_scheduler_installs_every_hook_once(enabled):
+    assert enabled["active"]
+    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS
+    assert all(enabled["hooks"][t] == 1 for t in RUNTIME_TARGETS | LAUNCH_TARGETS)
+    assert "bcg" in enabled["backends"]
+
+
+def test_not_enabled_is_harmless(not_enabled):
+    assert not_enabled["active"]
+    assert set(not_enabled["installed"]) == LAUNCH_TARGETS  # the flag's translation only
+    assert not not_enabled["capture_wrapped"]  # SGLang's prefill runner untouched
+    assert not RUNTIME_TARGETS & set(not_enabled["hooks"])
+    plain = not_enabled["cli_plain"]
+    assert plain["flag"] is None and plain["env"] is None
+
+
+@pytest.mark.parametrize("scenario", ["enabled", "not_enabled"])
+def test_cli_and_engine_flag_enable_bcg(scenario, request):
+    out = request.getfixturevalue(scenario)
+    bcg, plain = out["cli_bcg"], out["cli_plain"]
+    # "bcg" parses, becomes SGLang's auto choice (same resolved backend as no flag) + BCG_ENABLE.
+    assert bcg == {"flag": None, "prefill": plain["prefill"], "env": "1"}, bcg
+    assert out["cli_after"]["env"] is None
+    assert out["engine_kwargs"] == {"flag": None, "env": "1"}
+    assert out["cli_decode_bcg"]["error"] == "BcgConfigError" and "prefill" in out["cli_decode_bcg"]["message"]
+    assert out["cli_bad_sizes"]["error"] == "BcgConfigError" and "'sizes'" in out["cli_bad_sizes"]["message"]
