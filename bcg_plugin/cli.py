@@ -1,4 +1,4 @@
-"""The ``bcg`` command: ``bcg bench micro|vllm|sglang``, ``bcg config-reference``."""
+"""The ``bcg`` command: ``bcg doctor``, ``bcg bench micro|vllm|sglang``, ``bcg config-reference``."""
 
 from __future__ import annotations
 
@@ -35,11 +35,23 @@ def _config_reference(argv: list[str]) -> int:
     return 0
 
 
+def _doctor(argv: list[str]) -> int:
+    from bcg_plugin import doctor
+
+    ap = argparse.ArgumentParser(prog="bcg doctor", description="Check hosts, patch targets, GPU and configuration.")
+    ap.add_argument("--config", default=None, help="the JSON given to the engine (vLLM additional_config['bcg']); "
+                    "default: the BCG_* environment")
+    ap.add_argument("--engine", action="append", choices=sorted(doctor.HOST_ENTRY_POINTS),
+                    help="check only this host (repeatable); default: all")
+    a = ap.parse_args(argv)
+    return doctor.run(a.config, a.engine or sorted(doctor.HOST_ENTRY_POINTS))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"bench": _bench, "config-reference": _config_reference}
+    commands = {"bench": _bench, "config-reference": _config_reference, "doctor": _doctor}
     if not argv or argv[0] not in commands:
-        print("usage: bcg {bench {micro,vllm,sglang} [options] | config-reference}", file=sys.stderr)
+        print("usage: bcg {doctor | bench {micro,vllm,sglang} [options] | config-reference}", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -8,6 +8,8 @@ publishes the growth of :class:`~bcg_plugin.stats.RuntimeStats` since the last c
 
 from __future__ import annotations
 
+from typing import Any
+
 from bcg_plugin.stats import Fallback, RuntimeStats
 
 
@@ -35,6 +37,9 @@ class PrometheusExporter:
         for reason in Fallback:  # every reason visible at 0 from the start
             self.fallbacks.labels(**self._labels, reason=reason.value)
 
+    def _plain(self, metric):
+        return metric.labels(**self._labels) if self._labels else metric
+
     def update(self, stats: RuntimeStats) -> None:
         for bucket, count in stats.replays_by_bucket.items():
             delta = count - self._seen.replays_by_bucket[bucket]
@@ -44,12 +49,22 @@ class PrometheusExporter:
             delta = count - self._seen.fallbacks[reason]
             if delta:
                 self.fallbacks.labels(**self._labels, reason=reason).inc(delta)
-        self.real_tokens.labels(**self._labels).inc(stats.real_tokens - self._seen.real_tokens)
-        self.padded_tokens.labels(**self._labels).inc(stats.padded_tokens - self._seen.padded_tokens)
-        self.capture_seconds.labels(**self._labels).set(stats.capture_seconds)
-        self.graph_bytes.labels(**self._labels).set(stats.graph_bytes)
-        self.buckets.labels(**self._labels).set(stats.buckets_captured)
+        self._plain(self.real_tokens).inc(stats.real_tokens - self._seen.real_tokens)
+        self._plain(self.padded_tokens).inc(stats.padded_tokens - self._seen.padded_tokens)
+        self._plain(self.capture_seconds).set(stats.capture_seconds)
+        self._plain(self.graph_bytes).set(stats.graph_bytes)
+        self._plain(self.buckets).set(stats.buckets_captured)
         self._seen = RuntimeStats(
             replays_by_bucket=stats.replays_by_bucket.copy(), fallbacks=stats.fallbacks.copy(),
             real_tokens=stats.real_tokens, padded_tokens=stats.padded_tokens,
         )
+
+
+def host_exporter(prefix: str, logger: Any = None) -> PrometheusExporter | None:
+    """An exporter in the host's default registry, or ``None`` (logged once) if it cannot be made."""
+    try:
+        return PrometheusExporter(prefix)
+    except Exception as e:  # metrics are an aid: never stop an engine over them
+        if logger is not None:
+            logger.warning("bcg: Prometheus metrics are off (%r)", e)
+        return None

@@ -5,6 +5,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 class Fallback(str, enum.Enum):
@@ -49,3 +53,37 @@ class RuntimeStats:
             f"buckets={self.buckets_captured} capture={self.capture_seconds:.2f}s "
             f"graph_mem={self.graph_bytes / 2**30:.3f}GiB"
         )
+
+
+class StatsReporter:
+    """Publishes one runner's stats from the forward path (no thread: an idle engine reports nothing).
+
+    A summary line goes to the host's logger at most once per ``interval_s`` and only when it
+    changed; a Prometheus exporter, if given, is refreshed at most once per ``export_interval_s``
+    so a scrape never lags by more than that.
+    """
+
+    def __init__(self, stats: RuntimeStats, *, logger: logging.Logger, interval_s: float,
+                 exporter: Any = None, export_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.stats, self.logger, self.interval_s = stats, logger, interval_s
+        self.exporter, self.export_interval_s = exporter, export_interval_s
+        self._clock = clock
+        self._last_log = self._last_export = clock()
+        self._last_line: str | None = None
+
+    def tick(self) -> str | None:
+        """Call after every forward; returns the line logged, if any."""
+        now = self._clock()
+        if self.exporter is not None and now - self._last_export >= self.export_interval_s:
+            self._last_export = now
+            self.exporter.update(self.stats)
+        if self.interval_s <= 0 or now - self._last_log < self.interval_s:
+            return None
+        self._last_log = now
+        line = self.stats.summary()
+        if line == self._last_line:
+            return None
+        self._last_line = line
+        self.logger.info("bcg prefill graphs: %s", line)
+        return line

@@ -110,3 +110,10 @@ def register() -> None:
     _active = True
     if config is not None and config.active:
         logger.info("bcg-plugin: prefill CUDA graphs active (%s)", config.to_dict())
+
+
+def diagnose():
+    """``bcg doctor``'s view of this SGLang (see :mod:`bcg_adapters.sglang.doctor`)."""
+    from bcg_adapters.sglang.doctor import diagnose as _diagnose
+
+    return _diagnose()

@@ -14,9 +14,10 @@ from typing import Any
 
 from bcg_adapters.sglang import eligibility, settings
 from bcg_adapters.sglang.host import SglangHost
-from bcg_adapters.sglang.stats_log import StatsLogger
 from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, plugin_manager
 from bcg_plugin.ladder import choose_bucket
+from bcg_plugin.metrics import host_exporter
+from bcg_plugin.stats import StatsReporter
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
@@ -26,7 +27,7 @@ class BcgPrefillRunner:
 
     Holds the core :class:`~bcg_plugin.PrefillGraphRunner` (graphs in its own private pool, one
     capture stream, owned inputs/outputs), the SGLang host hooks, the bucket chosen by the last
-    ``can_run_graph`` for the ``execute`` that follows it, and the periodic stats logger.
+    ``can_run_graph`` for the ``execute`` that follows it, and the periodic stats reporter (log line, Prometheus when SGLang's metrics are on).
     SGLang's scheduler calls :meth:`can_replay_locally` for the DP vote; ``enable_lora`` and
     ``enable_cp_v2_bcg_capture`` are read by SGLang and always off here.
     """
@@ -41,7 +42,9 @@ class BcgPrefillRunner:
         self.host = host
         prefill = model_runner.server_args.cuda_graph_config.prefill
         self.core = PrefillGraphRunner(plugin_manager(host), config, chunk_size=_chunk_size(model_runner))
-        self.stats_logger = StatsLogger(self.core.stats, settings.stats_interval())
+        exporter = host_exporter("sglang:", logger) if model_runner.server_args.enable_metrics else None
+        self.stats_reporter = StatsReporter(self.core.stats, logger=logger, interval_s=settings.stats_interval(),
+                                            exporter=exporter)
         self._stale_for_test = settings.stale_metadata_for_test()
         self._planned: tuple[Any, int] | None = None
         self._previous_replay: Any = None
@@ -90,7 +93,7 @@ class BcgPrefillRunner:
 
     def can_run_graph(self, forward_batch: Any) -> bool:
         self._planned = None
-        self.stats_logger.maybe_log()
+        self.stats_reporter.tick()
         if not self.can_replay_locally(
             batch_size=forward_batch.batch_size,
             num_tokens=None,

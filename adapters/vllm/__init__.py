@@ -5,6 +5,7 @@ Installed next to vLLM, it is discovered through the ``vllm.general_plugins`` en
 ``--additional-config '{"bcg": {"enable": true}}'`` (or ``LLM(additional_config={"bcg": {...}})``).
 """
 
+from bcg_adapters.vllm.doctor import diagnose
 from bcg_adapters.vllm.plugin import register
 
-__all__ = ["register"]
+__all__ = ["diagnose", "register"]

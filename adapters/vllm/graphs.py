@@ -10,7 +10,6 @@ attention breaks, and the hidden rows go back to vLLM's eager logits path.
 from __future__ import annotations
 
 import os
-import time
 import weakref
 from typing import Any
 
@@ -20,6 +19,8 @@ from bcg_adapters.vllm.config import SUPPORTED_BACKENDS, bcg_config
 from bcg_adapters.vllm.host import VllmHost
 from bcg_adapters.vllm.log import logger
 from bcg_plugin import Fallback, HostBatch, PrefillGraphRunner, plugin_manager
+from bcg_plugin.metrics import host_exporter
+from bcg_plugin.stats import StatsReporter
 
 # Test-only: replay with the forward context the bucket was captured with instead of the live one
 # (NOTES pitfall 8). The GPU tests use it as the negative control that must fail the comparison.
@@ -67,8 +68,10 @@ class VllmPrefillGraphs:
         self._buckets = frozenset()
         self._slot_mapping_probe: tuple[str, int] | None = None
         self._reports = _first_tp_rank()
-        self._last_log = time.monotonic()
-        self._last_logged_count = 0
+        self.reporter = StatsReporter(
+            self.runner.stats, logger=logger, interval_s=STATS_LOG_INTERVAL_S if self._reports else 0,
+            exporter=host_exporter("vllm:", logger) if self._reports else None,
+        )
         INSTANCES.add(self)
 
     @classmethod
@@ -105,7 +108,7 @@ class VllmPrefillGraphs:
     def bucket_for(self, num_tokens: int) -> int | None:
         """The padded size vLLM should run ``num_tokens`` at, or ``None`` (eager; reason counted)."""
         bucket = self.runner.bucket_for(num_tokens)
-        self._maybe_log_stats()
+        self.reporter.tick()
         return bucket
 
     def forward(self, model: Any, model_inputs: dict[str, Any]) -> Any:
@@ -136,19 +139,6 @@ class VllmPrefillGraphs:
         payload = self.host.capture_contexts[bucket] if self.stale_metadata else context
         inputs = {k: model_inputs.get(k) for k in _GRAPH_INPUTS if model_inputs.get(k) is not None}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload)
-
-    def _maybe_log_stats(self) -> None:
-        if not self._reports:
-            return
-        now = time.monotonic()
-        if now - self._last_log < STATS_LOG_INTERVAL_S:
-            return
-        stats = self.runner.stats
-        seen = sum(stats.replays_by_bucket.values()) + sum(stats.fallbacks.values())
-        if seen == self._last_logged_count:
-            return
-        self._last_log, self._last_logged_count = now, seen
-        logger.info("bcg: %s", self.runner.stats.summary())
 
     def close(self) -> None:
         self.runner.close()

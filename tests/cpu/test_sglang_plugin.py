@@ -23,7 +23,7 @@ pytest.importorskip("sglang")
 from bcg_adapters import sglang as adapter  # noqa: E402
 from bcg_adapters.sglang import eligibility, settings  # noqa: E402
 from bcg_adapters.sglang.runner import BcgPrefillRunner  # noqa: E402
-from bcg_adapters.sglang.stats_log import StatsLogger  # noqa: E402
+from bcg_plugin.stats import StatsReporter  # noqa: E402
 from bcg_patches.sglang import Patch, install, verify  # noqa: E402
 from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, RuntimeStats, plugin_manager  # noqa: E402
 
@@ -153,25 +153,6 @@ def test_config_defaults_off_and_reads_env():
 # -- runtime pieces that need no GPU ------------------------------------------------------------
 
 
-def test_stats_logger_logs_once_per_interval_and_only_on_change(caplog):
-    now = [0.0]
-    stats = RuntimeStats()
-    log = StatsLogger(stats, 10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert log.maybe_log() is None  # interval not elapsed
-        now[0] = 11.0
-        stats.record_replay(32, 30)
-        line = log.maybe_log()
-        assert line is not None and "replays=1" in line
-        now[0] = 30.0
-        assert log.maybe_log() is None  # unchanged counters: no repeated line
-        stats.record_replay(32, 20)
-        now[0] = 45.0
-        assert "replays=2" in log.maybe_log()
-    assert sum("bcg prefill graphs" in r.getMessage() for r in caplog.records) == 2
-    assert StatsLogger(stats, 0.0, clock=lambda: 1e9).maybe_log() is None
-
-
 def test_layers_reason_rejects_what_bcg_does_not_capture():
     class Body:
         def __init__(self):
@@ -199,7 +180,7 @@ def vote_runner(sizes=(16, 32, 64), ratio=None):
     core._graphs = {b: None for b in core.buckets}
     runner = object.__new__(BcgPrefillRunner)
     runner.core = core
-    runner.stats_logger = StatsLogger(core.stats, 0)
+    runner.stats_reporter = StatsReporter(core.stats, logger=logging.getLogger("bcg_plugin.sglang"), interval_s=0)
     runner._planned = None
     return runner
 

@@ -1,0 +1,51 @@
+"""``bcg doctor`` against the real host packages (skipped where a host is not importable)."""
+
+import io
+
+import pytest
+
+from bcg_plugin import doctor
+
+
+def _run(config=None, engines=("vllm", "sglang")):
+    out = io.StringIO()
+    rc = doctor.run(config, list(engines), out=out)
+    return rc, out.getvalue()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_installed_host_is_reported_compatible_with_every_target_checked(engine):
+    pytest.importorskip(engine)
+    rc, text = _run(engines=[engine])
+    assert rc == 0, text
+    assert f"{engine} " in text and ": compatible" in text
+    assert "FAIL" not in text and text.count("  ok   ") >= 5
+    assert "installed but off" in text
+
+
+def test_enabled_config_says_what_the_plugin_will_do():
+    pytest.importorskip("vllm")
+    rc, text = _run('{"enable": true, "max_tokens": 4096}', engines=["vllm"])
+    assert rc == 0 and "up to 4096 tokens replay bcg graphs" in text
+
+
+def test_invalid_config_fails_and_names_the_key():
+    pytest.importorskip("vllm")
+    rc, text = _run('{"max_tokens": -1}', engines=["vllm"])
+    assert rc == 1 and "INVALID" in text and "max_tokens" in text
+
+
+def test_unsupported_host_version_is_incompatible(monkeypatch):
+    pytest.importorskip("vllm")
+    import bcg_adapters.vllm.plugin as plugin
+
+    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    rc, text = _run(engines=["vllm"])
+    assert rc == 1 and "INCOMPATIBLE" in text and "0.99.0 is outside" in text
+    assert "stays off" in text
+
+
+def test_no_host_installed_is_an_error(monkeypatch):
+    monkeypatch.setattr(doctor, "adapter_report", lambda engine: doctor.AdapterReport(engine, None, "?"))
+    rc, text = _run()
+    assert rc == 1 and "nothing to do" in text

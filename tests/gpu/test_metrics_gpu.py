@@ -1,0 +1,122 @@
+"""bcg's counters read back from a running server's ``/metrics`` (the hosts' own Prometheus endpoints).
+
+Run on the GPU host with the engine's bundle sourced:
+``python -m pytest tests/gpu/test_metrics_gpu.py -m gpu -s -k sglang`` (or ``-k vllm``).
+Each test starts the engine's OpenAI-compatible server on a loopback port with a dummy-weight
+Qwen3-0.6B-shaped model, sends prefill requests of a few sizes, and reads ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from bcg_plugin.bench.models import model_dir
+
+pytestmark = pytest.mark.gpu
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _serve(cmd: list[str], env: dict, health: str, timeout_s: float = 240) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()[-4000:]}")
+        try:
+            _get(health, timeout=2)
+            return proc
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    raise AssertionError(f"server not healthy after {timeout_s} s:\n{proc.stdout.read()[-4000:]}")
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)]
+    assert values, f"{name} not on /metrics"
+    return sum(values)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_sglang_metrics_show_bcg_replays():
+    pytest.importorskip("sglang")
+    port = _free_port()
+    env = {**os.environ, "BCG_STATS_INTERVAL_S": "1"}
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir("qwen3-0.6b")),
+           "--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
+           "--cuda-graph-backend-prefill", "bcg", "--enable-metrics", "--chunked-prefill-size", "2048",
+           "--mem-fraction-static", "0.5", "--host", "127.0.0.1", "--port", str(port)]
+    proc = _serve(cmd, env, f"http://127.0.0.1:{port}/health")
+    try:
+        for n in (16, 300, 1500):
+            _post(f"http://127.0.0.1:{port}/generate",
+                  {"input_ids": list(range(100, 100 + n)), "sampling_params": {"max_new_tokens": 1}})
+        time.sleep(2)  # the reporter refreshes counters at most once per second
+        _post(f"http://127.0.0.1:{port}/generate", {"input_ids": [5] * 20, "sampling_params": {"max_new_tokens": 1}})
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+        assert _metric(text, "sglang:bcg_replays_total") >= 3
+        assert _metric(text, "sglang:bcg_real_tokens_total") >= 16 + 300 + 1500
+        assert _metric(text, "sglang:bcg_graph_memory_bytes") > 0
+        assert _metric(text, "sglang:bcg_capture_seconds") > 0
+        assert "sglang:bcg_eager_fallbacks_total" in text
+    finally:
+        _stop(proc)
+
+
+def test_vllm_metrics_show_bcg_replays():
+    pytest.importorskip("vllm")
+    port = _free_port()
+    # Counters made in vLLM's engine process reach the API server's /metrics through
+    # prometheus_client's multiprocess mode.
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="bcg-prom-")}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir("qwen3-0.6b")),
+           "--load-format", "dummy", "--skip-tokenizer-init", "--max-num-batched-tokens", "2048",
+           "--gpu-memory-utilization", "0.5", "--max-model-len", "4096",
+           "--additional-config", json.dumps({"bcg": {"enable": True}}), "--host", "127.0.0.1", "--port", str(port)]
+    proc = _serve(cmd, env, f"http://127.0.0.1:{port}/health")
+    try:
+        for n in (16, 300, 1500):
+            _post(f"http://127.0.0.1:{port}/v1/completions",
+                  {"model": str(model_dir("qwen3-0.6b")), "prompt": list(range(100, 100 + n)), "max_tokens": 1})
+        time.sleep(2)
+        _post(f"http://127.0.0.1:{port}/v1/completions",
+              {"model": str(model_dir("qwen3-0.6b")), "prompt": [5] * 20, "max_tokens": 1})
+        text = _get(f"http://127.0.0.1:{port}/metrics")
+        assert _metric(text, "vllm:bcg_replays_total") >= 3
+        assert _metric(text, "vllm:bcg_graph_memory_bytes") > 0
+        assert "vllm:bcg_eager_fallbacks_total" in text
+    finally:
+        _stop(proc)
