@@ -21,9 +21,11 @@ def _bench(argv: list[str]) -> int:
     ap.add_argument("--modes", default=None, help="comma-separated; default: every mode of the engine")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per mode")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every mode this many times, alternating the order; report the per-N minimum")
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
-    path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout)
+    path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout, a.rounds)
     print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())
     return 0
 

@@ -48,7 +48,23 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
         return data
 
 
-def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float) -> Path:
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One mode's figures over rounds: per-N minimum of the latencies (the least disturbed run),
+    scalars from the first good round, every round kept under ``rounds``."""
+    good = [r for r in rounds if "e2e_ms" in r]
+    if not good:
+        return rounds[0]
+    merged = dict(good[0])
+    for key in ("e2e_ms", "forward_ms"):
+        merged[key] = {n: min(r[key][n] for r in good if n in (r.get(key) or {}))
+                       for n in (good[0].get(key) or {})}
+    if len(rounds) > 1:
+        merged["rounds"] = rounds
+    return merged
+
+
+def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float,
+        rounds: int = 1) -> Path:
     spec = ENGINES[engine]
     unknown = [m for m in modes if m not in spec["modes"]]
     if unknown:
@@ -61,12 +77,20 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         **{k: v for k, v in environment().items() if k in ("gpu", "date")},
         "env": environment(),
         "sizes": sizes,
+        "rounds": rounds,
         "modes": {},
     }
-    for mode in modes:
-        print(f"[bcg bench] {engine} {mode} ...", flush=True)
-        result["modes"][mode] = run_mode(engine, mode, model, sizes, timeout_s)
-        print(f"[bcg bench] {engine} {mode}: {summary_line(result['modes'][mode])}", flush=True)
+    # Later rounds reverse the order, so no mode always runs first on a cold machine.
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+    order = []
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            order.append(mode)
+            print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}) ...", flush=True)
+            per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s))
+            print(f"[bcg bench] {engine} {mode}: {summary_line(per_mode[mode][-1])}", flush=True)
+    result["order"] = order
+    result["modes"] = {m: _merge_rounds(per_mode[m]) for m in modes}
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{engine}-{model}-{result['date'][:10]}"  # model names hold dots: no with_suffix
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2))
@@ -90,7 +114,8 @@ def to_markdown(result: dict) -> str:
         f"# {result['engine']} {result['engine_version']}: {result['model']['name']} (dummy weights, bf16)",
         "",
         f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}. One request of N prompt tokens, "
-        "one output token; every mode in its own process, same run.",
+        "one output token; every mode in its own process, same run"
+        + (f", {result['rounds']} rounds in alternating order, per-N minimum." if result.get("rounds", 1) > 1 else "."),
         "",
         "## End-to-end generate() median ms",
         "",

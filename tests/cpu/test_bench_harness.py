@@ -1,0 +1,38 @@
+"""The engine benchmark harness without an engine: per-mode scripts replaced by a fake one."""
+
+import json
+
+from bcg_plugin.bench import harness
+
+
+def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_mode(engine, mode, model, sizes, timeout_s):
+        calls.append(mode)
+        k = len(calls)
+        if mode == "native" and k > 2:
+            return {"error": "exit code 1", "log_tail": "boom"}
+        return {"e2e_ms": {str(n): float(n + k) for n in sizes}, "forward_ms": {str(n): float(k) for n in sizes},
+                "init_s": 1.0, "capture_s": 2.0, "graph_mem_gib": 0.5}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("sglang", "qwen3-0.6b", [16, 64], ["bcg", "native"], tmp_path, 10, rounds=2)
+    assert calls == ["bcg", "native", "native", "bcg"]
+    result = json.loads(path.read_text())
+    assert path.name == f"sglang-qwen3-0.6b-{result['date'][:10]}.json"
+    assert result["order"] == calls and result["engine_version"] == "9.9.9"
+    assert result["modes"]["bcg"]["e2e_ms"] == {"16": 17.0, "64": 65.0}  # round 1 (k=1) beats round 2 (k=4)
+    assert result["modes"]["native"]["e2e_ms"] == {"16": 18.0, "64": 66.0}  # the failed round is skipped
+    assert len(result["modes"]["native"]["rounds"]) == 2
+    md = (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert "2 rounds in alternating order" in md and "| 16 | 17.00 | 18.00 |" in md
+
+
+def test_a_failing_mode_is_reported_not_fatal(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "run_mode", lambda *a: {"error": "timed out after 10 s", "log_tail": ""})
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10)
+    md = (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert "Modes that failed: bcg (timed out after 10 s)" in md
