@@ -8,6 +8,13 @@ from pathlib import Path
 
 
 def _bench(argv: list[str]) -> int:
+    if argv and argv[0] == "report":
+        from bcg_plugin.bench import harness
+
+        for path in argv[1:]:
+            for written in harness.render(Path(path)):
+                print(written)
+        return 0
     if argv and argv[0] == "micro":
         from bcg_plugin.bench import micro
 
@@ -26,7 +33,7 @@ def _bench(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
     path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout, a.rounds)
-    print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())
+    print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())  # written by render()
     return 0
 
 
@@ -53,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"bench": _bench, "config-reference": _config_reference, "doctor": _doctor}
     if not argv or argv[0] not in commands:
-        print("usage: bcg {doctor | bench {micro,vllm,sglang} [options] | config-reference}", file=sys.stderr)
+        print("usage: bcg {doctor | bench {micro,vllm,sglang} [options] | bench report RESULT.json... | config-reference}", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bcg_plugin.bench.models import shape_summary
-from bcg_plugin.bench.report import environment, plot_latency, write_markdown
+from bcg_plugin.bench.report import environment, plot_capture_memory, plot_latency, plot_speedup, write_markdown
 
 ENGINES = {
     "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
@@ -92,12 +92,36 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
     result["order"] = order
     result["modes"] = {m: _merge_rounds(per_mode[m]) for m in modes}
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{engine}-{model}-{result['date'][:10]}"  # model names hold dots: no with_suffix
-    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    write_markdown(out_dir / f"{stem}.md", to_markdown(result))
-    ok = {m: d["e2e_ms"] for m, d in result["modes"].items() if "e2e_ms" in d}
-    plot_latency(out_dir / f"{stem}.png", f"{engine} {result['engine_version']}, {model}: end-to-end prefill", ok)
-    return out_dir / f"{stem}.json"
+    path = out_dir / f"{engine}-{model}-{result['date'][:10]}.json"  # model names hold dots: no with_suffix
+    path.write_text(json.dumps(result, indent=2))
+    render(path)
+    return path
+
+
+BASELINE_MODE = {"vllm": "eager", "sglang": "disabled"}
+
+
+def render(path: Path) -> list[Path]:
+    """Write the markdown report and PNG plots of a result JSON beside it; return what was written."""
+    result = json.loads(path.read_text())
+    stem = path.name[: -len(".json")]
+    good = {m: d for m, d in result["modes"].items() if "e2e_ms" in d}
+    title = f"{result['engine']} {result['engine_version']}, {result['model']['name']}"
+    plots = {
+        f"{stem}.png": plot_latency(path.parent / f"{stem}.png", f"{title}: end-to-end prefill",
+                                    {m: d["e2e_ms"] for m, d in good.items()}),
+        f"{stem}-speedup.png": plot_speedup(path.parent / f"{stem}-speedup.png", f"{title}: speed-up over "
+                                            f"{BASELINE_MODE.get(result['engine'], 'eager')}",
+                                            {m: d["e2e_ms"] for m, d in good.items()},
+                                            BASELINE_MODE.get(result["engine"], "eager")),
+        f"{stem}-capture.png": plot_capture_memory(path.parent / f"{stem}-capture.png", f"{title}: capture cost",
+                                                   {m: (d.get("capture_s") or 0.0, d.get("graph_mem_gib") or 0.0)
+                                                    for m, d in good.items()}),
+    }
+    written = [path.parent / name for name, ok in plots.items() if ok]
+    md = path.parent / f"{stem}.md"
+    write_markdown(md, to_markdown(result, [p.name for p in written]))
+    return [md, *written]
 
 
 def summary_line(d: dict) -> str:
@@ -106,7 +130,7 @@ def summary_line(d: dict) -> str:
     return "e2e " + " ".join(f"{n}:{v:.2f}" for n, v in d["e2e_ms"].items())
 
 
-def to_markdown(result: dict) -> str:
+def to_markdown(result: dict, images: list[str] = ()) -> str:
     modes = result["modes"]
     good = {m: d for m, d in modes.items() if "e2e_ms" in d}
     sizes = [str(n) for n in result["sizes"]]
@@ -132,6 +156,7 @@ def to_markdown(result: dict) -> str:
     lines += ["", "| mode | init s | capture s | graph memory GiB |", "|---|---|---|---|"]
     for m, d in good.items():
         lines.append(f"| {m} | {_fmt(d.get('init_s'))} | {_fmt(d.get('capture_s'))} | {_fmt(d.get('graph_mem_gib'), 3)} |")
+    lines += [""] + [f"![{name}]({name})" for name in images]
     failed = {m: d for m, d in modes.items() if "error" in d}
     if failed:
         lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]

@@ -25,14 +25,21 @@ def write_markdown(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def plot_latency(path: Path, title: str, series: dict[str, dict], ylabel: str = "ms") -> bool:
-    """One line per mode (N -> value, log-log); returns False when matplotlib is missing."""
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_latency(path: Path, title: str, series: dict[str, dict], ylabel: str = "ms") -> bool:
+    """One line per mode (N -> value, log-log); returns False when matplotlib is missing."""
+    plt = _pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, points in series.items():
@@ -46,6 +53,54 @@ def plot_latency(path: Path, title: str, series: dict[str, dict], ylabel: str = 
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_speedup(path: Path, title: str, series: dict[str, dict], baseline: str) -> bool:
+    """Each mode's speed-up over ``baseline`` (baseline ms / mode ms) against N."""
+    if baseline not in series:
+        return False
+    base = series[baseline]
+    ratios = {m: {n: base[n] / v for n, v in points.items() if n in base and v}
+              for m, points in series.items() if m != baseline}
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, points in ratios.items():
+        xs = sorted(points, key=int)
+        ax.plot([int(n) for n in xs], [points[n] for n in xs], marker="o", label=mode)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens N")
+    ax.set_ylabel(f"x faster than {baseline}")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_capture_memory(path: Path, title: str, costs: dict[str, tuple[float, float]]) -> bool:
+    """Capture seconds and graph memory (GiB) per mode, side by side."""
+    plt = _pyplot()
+    if plt is None or not costs:
+        return False
+    modes = list(costs)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    left.bar(modes, [costs[m][0] for m in modes], color="tab:blue")
+    left.set_ylabel("capture s")
+    right.bar(modes, [costs[m][1] for m in modes], color="tab:orange")
+    right.set_ylabel("graph memory GiB")
+    for ax in (left, right):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -36,3 +36,24 @@ def test_a_failing_mode_is_reported_not_fatal(tmp_path, monkeypatch):
     path = harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10)
     md = (tmp_path / path.name.replace(".json", ".md")).read_text()
     assert "Modes that failed: bcg (timed out after 10 s)" in md
+
+
+def test_render_writes_report_and_three_plots(tmp_path):
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    result = {
+        "engine": "sglang", "engine_version": "0.5.17", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
+        "date": "2026-11-29T00:00:00Z", "env": {"torch": "2.11.0"}, "sizes": [16, 64],
+        "modes": {
+            "disabled": {"e2e_ms": {"16": 20.0, "64": 22.0}, "capture_s": 0.0, "graph_mem_gib": 0.0},
+            "bcg": {"e2e_ms": {"16": 10.0, "64": 11.0}, "capture_s": 4.0, "graph_mem_gib": 0.5},
+        },
+    }
+    path = tmp_path / "sglang-qwen3-0.6b-2026-11-29.json"
+    path.write_text(json.dumps(result))
+    written = {p.name for p in harness.render(path)}
+    stem = "sglang-qwen3-0.6b-2026-11-29"
+    assert written == {f"{stem}.md", f"{stem}.png", f"{stem}-speedup.png", f"{stem}-capture.png"}
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert f"![{stem}-speedup.png]({stem}-speedup.png)" in md and "| 16 | 20.00 | 10.00 |" in md
