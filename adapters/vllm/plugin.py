@@ -53,12 +53,12 @@ def register() -> None:
         STATE.registered = True
 
 
-def _refusal() -> str | None:
+def version_problem(found: str | None) -> str | None:
+    """Why this vLLM version is not patched, or ``None`` if it is supported."""
     from packaging.version import InvalidVersion, Version
 
-    from bcg_patches.vllm import ENTRY, SUPPORTED_VLLM, PatchTargetError
+    from bcg_patches.vllm import SUPPORTED_VLLM
 
-    found = vllm_version()
     if found is None:
         return "vllm is not installed"
     try:
@@ -67,6 +67,16 @@ def _refusal() -> str | None:
         known = False
     if not known:
         return f"vLLM {found} is not a version bcg-plugin supports ({SUPPORTED_VLLM})"
+    return None
+
+
+def _refusal() -> str | None:
+    from bcg_patches.vllm import ENTRY, PatchTargetError
+
+    found = vllm_version()
+    problem = version_problem(found)
+    if problem is not None:
+        return problem
     try:
         ENTRY.apply()
     except PatchTargetError as e:

@@ -41,7 +41,7 @@ def test_unsupported_host_version_is_incompatible(monkeypatch):
 
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
     rc, text = _run(engines=["vllm"])
-    assert rc == 1 and "INCOMPATIBLE" in text and "0.99.0 is outside" in text
+    assert rc == 1 and "INCOMPATIBLE" in text and "vLLM 0.99.0 is not a version bcg-plugin supports" in text
     assert "stays off" in text
 
 
