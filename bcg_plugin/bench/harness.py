@@ -107,16 +107,15 @@ def render(path: Path) -> list[Path]:
     stem = path.name[: -len(".json")]
     good = {m: d for m, d in result["modes"].items() if "e2e_ms" in d}
     title = f"{result['engine']} {result['engine_version']}, {result['model']['name']}"
+    baseline = BASELINE_MODE.get(result["engine"], "eager")
+    e2e = {m: d["e2e_ms"] for m, d in good.items()}
+    costs = {m: (d.get("capture_s") or 0.0, d.get("graph_mem_gib") or 0.0) for m, d in good.items()}
     plots = {
-        f"{stem}.png": plot_latency(path.parent / f"{stem}.png", f"{title}: end-to-end prefill",
-                                    {m: d["e2e_ms"] for m, d in good.items()}),
-        f"{stem}-speedup.png": plot_speedup(path.parent / f"{stem}-speedup.png", f"{title}: speed-up over "
-                                            f"{BASELINE_MODE.get(result['engine'], 'eager')}",
-                                            {m: d["e2e_ms"] for m, d in good.items()},
-                                            BASELINE_MODE.get(result["engine"], "eager")),
+        f"{stem}.png": plot_latency(path.parent / f"{stem}.png", f"{title}: end-to-end prefill", e2e),
+        f"{stem}-speedup.png": plot_speedup(path.parent / f"{stem}-speedup.png",
+                                            f"{title}: speed-up over {baseline}", e2e, baseline),
         f"{stem}-capture.png": plot_capture_memory(path.parent / f"{stem}-capture.png", f"{title}: capture cost",
-                                                   {m: (d.get("capture_s") or 0.0, d.get("graph_mem_gib") or 0.0)
-                                                    for m, d in good.items()}),
+                                                   costs),
     }
     written = [path.parent / name for name, ok in plots.items() if ok]
     md = path.parent / f"{stem}.md"

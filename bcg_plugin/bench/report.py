@@ -36,18 +36,21 @@ def _pyplot():
     return plt
 
 
-def plot_latency(path: Path, title: str, series: dict[str, dict], ylabel: str = "ms") -> bool:
-    """One line per mode (N -> value, log-log); returns False when matplotlib is missing."""
+def _line_plot(path: Path, title: str, series: dict[str, dict], ylabel: str, *, log_y: bool,
+               reference: float | None = None) -> bool:
+    """One line per mode (N -> value, log2 x axis); returns False when matplotlib is missing."""
     plt = _pyplot()
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, points in series.items():
-        xs = sorted(int(n) for n in points)
-        ys = [points[str(n)] if str(n) in points else points[n] for n in xs]
-        ax.plot(xs, ys, marker="o", label=mode)
+        xs = sorted(points, key=int)
+        ax.plot([int(n) for n in xs], [points[n] for n in xs], marker="o", label=mode)
+    if reference is not None:
+        ax.axhline(reference, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if log_y:
+        ax.set_yscale("log")
     ax.set_xlabel("prompt tokens N")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -59,6 +62,11 @@ def plot_latency(path: Path, title: str, series: dict[str, dict], ylabel: str = 
     return True
 
 
+def plot_latency(path: Path, title: str, series: dict[str, dict], ylabel: str = "ms") -> bool:
+    """Latency per mode against N, log-log."""
+    return _line_plot(path, title, series, ylabel, log_y=True)
+
+
 def plot_speedup(path: Path, title: str, series: dict[str, dict], baseline: str) -> bool:
     """Each mode's speed-up over ``baseline`` (baseline ms / mode ms) against N."""
     if baseline not in series:
@@ -66,24 +74,7 @@ def plot_speedup(path: Path, title: str, series: dict[str, dict], baseline: str)
     base = series[baseline]
     ratios = {m: {n: base[n] / v for n, v in points.items() if n in base and v}
               for m, points in series.items() if m != baseline}
-    plt = _pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, points in ratios.items():
-        xs = sorted(points, key=int)
-        ax.plot([int(n) for n in xs], [points[n] for n in xs], marker="o", label=mode)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens N")
-    ax.set_ylabel(f"x faster than {baseline}")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return _line_plot(path, title, ratios, f"x faster than {baseline}", log_y=False, reference=1.0)
 
 
 def plot_capture_memory(path: Path, title: str, costs: dict[str, tuple[float, float]]) -> bool:
