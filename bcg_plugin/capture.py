@@ -4,6 +4,12 @@ Entering or leaving a capture either completes or leaves nothing behind: no chan
 (``torch.cuda.graph`` enters the stream context before ``capture_begin``, so a failing begin would
 leak it), no bound context variable, no half-built graph, gc back on;
 and the original exception propagates unmasked (pitfalls 4, 9, 10).
+
+Every segment is still captured through ``torch.cuda.graph`` (pitfall 13), but only a bucket's
+first segment runs its pre-capture cleanup (device synchronise, ``empty_cache`` and the pinned-host
+cache flush). Between two segments of one bucket only an eager break has run, so there is nothing
+to free; repeating the cleanup before each of a bucket's ~30 segments was most of capture time,
+and flushing the pinned-host cache hundreds of times makes the host's next steps re-pin memory.
 """
 
 from __future__ import annotations
@@ -19,6 +25,32 @@ from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds
 from bcg_plugin.pool import GraphPool
 
 T = TypeVar("T")
+
+
+class _SegmentGraphContext(torch.cuda.graph):
+    """``torch.cuda.graph`` for a bucket's later segments: the same stream and begin/end, no cleanup."""
+
+    def __enter__(self) -> None:
+        self.stream_ctx.__enter__()
+        try:
+            self.cuda_graph.capture_begin(*self.pool, capture_error_mode=self.capture_error_mode)
+        except BaseException:
+            self.stream_ctx.__exit__(None, None, None)
+            raise
+
+
+class _BucketCapture(breakable_graph):
+    """``breakable_graph`` whose segments after the first skip ``torch.cuda.graph``'s cleanup."""
+
+    def _new_graph_ctx(self, g: torch.cuda.CUDAGraph) -> None:
+        first = self._cuda_graph._segments[0] is g
+        factory = torch.cuda.graph if first else _SegmentGraphContext
+        self._graph_ctx = factory(g, pool=self._cuda_graph.pool(), stream=self._stream,
+                                  capture_error_mode=self._capture_error_mode)
+
+
+if not callable(getattr(breakable_graph, "_new_graph_ctx", None)):  # pragma: no cover - pinned dependency
+    raise ImportError("bcg_plugin needs breakable-cuda-graphs 0.1.0 (breakable_graph._new_graph_ctx is missing)")
 
 
 class SegmentedGraph:
@@ -53,7 +85,7 @@ def capture_segments(
     token = _capture_holds.set(holds)
     completed = False
     try:
-        with torch.cuda.stream(stream), breakable_graph(graph, stream=stream):
+        with torch.cuda.stream(stream), _BucketCapture(graph, stream=stream):
             result = fn()
         completed = True
         return SegmentedGraph(graph, holds), result

@@ -11,8 +11,15 @@ def _bench(argv: list[str]) -> int:
     if argv and argv[0] == "report":
         from bcg_plugin.bench import harness
 
-        for path in argv[1:]:
-            for written in harness.render(Path(path)):
+        ap = argparse.ArgumentParser(prog="bcg bench report",
+                                     description="Redraw the markdown report and plots beside result JSON files.")
+        ap.add_argument("results", nargs="+", type=Path, help="result JSON written by bcg bench vllm|sglang")
+        a = ap.parse_args(argv[1:])
+        missing = [str(p) for p in a.results if not p.is_file()]
+        if missing:
+            ap.error(f"no such result file: {', '.join(missing)}")
+        for path in a.results:
+            for written in harness.render(path):
                 print(written)
         return 0
     if argv and argv[0] == "micro":

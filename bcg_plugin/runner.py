@@ -40,6 +40,9 @@ class PrefillGraphRunner:
     def __init__(self, pm: pluggy.PluginManager, config: BcgConfig, *, chunk_size: int, device: Any = None):
         self.config = config.with_chunk_size(chunk_size)
         self._hook = pm.hook
+        # Bound once: replay calls them every forward, and an unimplemented hook is skipped.
+        self._embed = pm.hook.bcg_embed if pm.hook.bcg_embed.get_hookimpls() else None
+        self._logits_tail = pm.hook.bcg_logits_tail if pm.hook.bcg_logits_tail.get_hookimpls() else None
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         self.buckets: list[int] = []
         if self.config.active:
@@ -188,15 +191,16 @@ class PrefillGraphRunner:
             raise BcgStateError(f"no graph for bucket {bucket}; pick buckets with bucket_for()")
         if not 0 < batch.num_tokens <= bucket:
             raise BcgStateError(f"a batch of {batch.num_tokens} tokens cannot replay in bucket {bucket}")
-        embedded = self._hook.bcg_embed(batch=batch)
-        if embedded:
-            batch.inputs = {**batch.inputs, **embedded}
+        if self._embed is not None:
+            embedded = self._embed(batch=batch)
+            if embedded:
+                batch.inputs = {**batch.inputs, **embedded}
         self._land(batch, bucket)
         with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload)):
             graph.replay()
         self.stats.record_replay(bucket, batch.num_tokens)
         hidden = self._output[: batch.num_tokens]
-        tail = self._hook.bcg_logits_tail(hidden=hidden, batch=batch)
+        tail = self._logits_tail(hidden=hidden, batch=batch) if self._logits_tail is not None else None
         return hidden if tail is None else tail
 
     def _land(self, batch: HostBatch, bucket: int) -> None:

@@ -6,7 +6,8 @@ Per N: one request of N prompt tokens, one output token, prefix cache off; the e
 ``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
 wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
 contract of :mod:`bcg_plugin.bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms), ``init_s``,
-``capture_s``, ``graph_mem_gib``.
+``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
+forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 """
@@ -77,22 +78,25 @@ class Timers:
                     return
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t0 = time.perf_counter()
                 yield
+                host_ms = (time.perf_counter() - t0) * 1e3
                 end.record()
-                self.forwards.append((num_tokens, start, end))
+                self.forwards.append((num_tokens, start, end, host_ms))
 
         return set_forward_context
 
-    def forward_ms(self) -> float | None:
-        """The largest forward since the last call (the prefill of the request just served)."""
+    def forward_ms(self) -> tuple[float, float] | None:
+        """The largest forward since the last call (the prefill of the request just served):
+        its device time (CUDA events) and the host time spent issuing it."""
         import torch
 
         torch.cuda.synchronize()
         if not self.forwards:
             return None
-        _, start, end = max(self.forwards, key=lambda f: f[0])
+        _, start, end, host_ms = max(self.forwards, key=lambda f: f[0])
         self.forwards.clear()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host_ms
 
 
 def engine_kwargs(mode: str, model: str, sizes: list[int]) -> dict:
@@ -132,9 +136,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int) -> dict
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
-    e2e, fwd = {}, {}
+    e2e, fwd, fwd_host = {}, {}, {}
     for n in sizes:
-        times, forwards = [], []
+        times, forwards, hosts = [], [], []
         for i in range(warmup + reps):
             prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
             timers.forwards.clear()
@@ -145,13 +149,15 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int) -> dict
             if i >= warmup:
                 times.append(elapsed)
                 if f is not None:
-                    forwards.append(f)
+                    forwards.append(f[0])
+                    hosts.append(f[1])
         e2e[str(n)] = statistics.median(times)
         if forwards:
             fwd[str(n)] = statistics.median(forwards)
+            fwd_host[str(n)] = statistics.median(hosts)
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
-    result = {"mode": mode, "e2e_ms": e2e, "forward_ms": fwd, "init_s": init_s, "capture_s": timers.capture_s,
+    result = {"mode": mode, "e2e_ms": e2e, "forward_ms": fwd, "forward_host_ms": fwd_host, "init_s": init_s, "capture_s": timers.capture_s,
               "graph_mem_gib": timers.graph_bytes / 2**30}
     if mode == "bcg":
         from bcg_adapters.vllm.graphs import INSTANCES

@@ -55,9 +55,10 @@ def _merge_rounds(rounds: list[dict]) -> dict:
     if not good:
         return rounds[0]
     merged = dict(good[0])
-    for key in ("e2e_ms", "forward_ms"):
-        merged[key] = {n: min(r[key][n] for r in good if n in (r.get(key) or {}))
-                       for n in (good[0].get(key) or {})}
+    for key in ("e2e_ms", "forward_ms", "forward_host_ms"):
+        if key in good[0]:
+            merged[key] = {n: min(r[key][n] for r in good if n in (r.get(key) or {}))
+                           for n in (good[0].get(key) or {})}
     if len(rounds) > 1:
         merged["rounds"] = rounds
     return merged
@@ -140,19 +141,21 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
         "one output token; every mode in its own process, same run"
         + (f", {result['rounds']} rounds in alternating order, per-N minimum." if result.get("rounds", 1) > 1 else "."),
         "",
-        "## End-to-end generate() median ms",
-        "",
-        "| N | " + " | ".join(good) + " |",
-        "|---|" + "---|" * len(good),
     ]
-    for n in sizes:
-        lines.append(f"| {n} | " + " | ".join(_fmt(d["e2e_ms"].get(n)) for d in good.values()) + " |")
-    if any(d.get("forward_ms") for d in good.values()):
-        lines += ["", "## Model forward median ms (CUDA events)", "",
-                  "| N | " + " | ".join(good) + " |", "|---|" + "---|" * len(good)]
-        for n in sizes:
-            lines.append(f"| {n} | " + " | ".join(_fmt((d.get("forward_ms") or {}).get(n)) for d in good.values()) + " |")
-    lines += ["", "| mode | init s | capture s | graph memory GiB |", "|---|---|---|---|"]
+    for key, heading in (("e2e_ms", "End-to-end generate() median ms"),
+                         ("forward_ms", "Model forward median ms (CUDA events)"),
+                         ("forward_host_ms", "Host time issuing the model forward, median ms")):
+        if any(d.get(key) for d in good.values()):
+            lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
+    if "bcg" in good and len(good) > 1:
+        others = {m: d["e2e_ms"] for m, d in good.items() if m != "bcg"}
+        ratios = {f"bcg / {m}": {n: _ratio(good["bcg"]["e2e_ms"].get(n), e.get(n)) for n in sizes}
+                  for m, e in others.items()}
+        ratios["bcg / best other"] = {
+            n: _ratio(good["bcg"]["e2e_ms"].get(n), min((e[n] for e in others.values() if n in e), default=None))
+            for n in sizes}
+        lines += ["## End-to-end ratios (below 1: bcg faster)", "", *_table(sizes, ratios, digits=3), ""]
+    lines += ["| mode | init s | capture s | graph memory GiB |", "|---|---|---|---|"]
     for m, d in good.items():
         lines.append(f"| {m} | {_fmt(d.get('init_s'))} | {_fmt(d.get('capture_s'))} | {_fmt(d.get('graph_mem_gib'), 3)} |")
     lines += [""] + [f"![{name}]({name})" for name in images]
@@ -160,6 +163,16 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     if failed:
         lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]
     return "\n".join(lines) + "\n"
+
+
+def _table(sizes: list[str], columns: dict[str, dict], digits: int = 2) -> list[str]:
+    """A markdown table with one row per N and one column per series."""
+    return ["| N | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns),
+            *(f"| {n} | " + " | ".join(_fmt(c.get(n), digits) for c in columns.values()) + " |" for n in sizes)]
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
 
 
 def _fmt(v, digits: int = 2) -> str:

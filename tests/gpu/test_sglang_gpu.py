@@ -4,10 +4,10 @@ Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``
 start one after another in this process (each spawns its own scheduler): eager prefill
 (``cuda_graph_backend_prefill="disabled"``), bcg, and bcg with the test-only stale-metadata knob.
 
-Model: Qwen3-0.6B shape, ``load_format="dummy"`` (SGLang seeds dummy weights per parameter, so
-every engine has the same weights). Norm weights are then set to 1 through
-``update_weights_from_tensor`` so attention and logits are not flattened by 1e-3 norms; if that
-call fails, the check still runs on the raw dummy model (it is scale-free).
+Model: Qwen3-0.6B shape with random weights written once as a safetensors checkpoint that every
+engine loads: norms 1, matrices N(0, 1/fan_in), embeddings N(0, 0.05^2). SGLang's own dummy
+weights (uniform +-1e-3, norms included) flatten the logits to a spread of ~0.02 nats, which makes
+any tolerance in units of that spread loose; these weights spread the logits over a few nats.
 
 Check: for every request, max |logprob_bcg - logprob_eager| over its input-token logprobs, its
 per-position top-1 input logprobs and its output logprobs (up to the first differing output
@@ -40,22 +40,39 @@ PROBES = [(40, 24), (100, 64), (300, 200)]
 STALE_SIZES = "32,64,128,256"
 
 
-def model_dir() -> str:
-    try:
-        from bcg_plugin.bench.models import model_dir as bench_model_dir
+def model_config() -> dict:
+    from bcg_plugin.bench.models import MODELS
 
-        return str(bench_model_dir("qwen3-0.6b"))
-    except ImportError:
-        d = Path(tempfile.mkdtemp(prefix="bcg-qwen3-0.6b-"))
-        (d / "config.json").write_text(json.dumps({
-            "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
-            "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
-            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-            "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
-            "attention_bias": False,
-        }))
-        return str(d)
+    return dict(MODELS["qwen3-0.6b"])
+
+
+def write_scaled_checkpoint(path: Path, device: str = "cuda", seed: int = SEED) -> Path:
+    """A Qwen3-0.6B-shaped checkpoint with well-scaled random weights (names from transformers)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config(), indent=2))
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        if "norm" in name:
+            t = torch.ones(shape, device=device)
+        else:
+            std = 0.05 if "embed_tokens" in name or "lm_head" in name else shape[-1] ** -0.5
+            t = torch.randn(shape, generator=gen, device=device) * std
+        tensors[name] = t.to(torch.bfloat16).cpu()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return str(write_scaled_checkpoint(tmp_path_factory.mktemp("bcg-qwen3-0.6b-scaled")))
 
 
 # -- workload ----------------------------------------------------------------------------------
@@ -106,13 +123,12 @@ def probe_requests(seed: int = SEED + 1) -> list[dict]:
 # -- engines -----------------------------------------------------------------------------------
 
 
-def start_engine(mode: str, env: dict[str, str]):
+def start_engine(model_path: str, mode: str, env: dict[str, str]):
     for k, v in env.items():
         os.environ[k] = v
     try:
         engine = sglang.Engine(
-            model_path=model_dir(),
-            load_format="dummy",
+            model_path=model_path,
             skip_tokenizer_init=True,
             attention_backend="triton",
             chunked_prefill_size=CHUNK,
@@ -128,25 +144,6 @@ def start_engine(mode: str, env: dict[str, str]):
     return engine
 
 
-def unit_norms(engine) -> bool:
-    """Set every RMSNorm weight to 1 (dummy 1e-3 norms flatten attention and logits)."""
-    import torch
-
-    names = ["model.norm.weight"]
-    for i in range(28):
-        names += [f"model.layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")]
-    tensors = [(n, torch.ones(1024, dtype=torch.bfloat16)) for n in names]
-    for i in range(28):
-        tensors += [(f"model.layers.{i}.self_attn.{n}.weight", torch.ones(128, dtype=torch.bfloat16))
-                    for n in ("q_norm", "k_norm")]
-    try:
-        engine.update_weights_from_tensor(tensors)
-        return True
-    except Exception as e:  # the comparison is scale-free; say so and go on with dummy norms
-        print(f"[bcg gpu] unit norms not applied ({type(e).__name__}: {e}); comparing on raw dummy weights")
-        return False
-
-
 def generate(engine, reqs: list[dict]) -> list[dict]:
     out = engine.generate(
         input_ids=[r["ids"] for r in reqs],
@@ -158,11 +155,10 @@ def generate(engine, reqs: list[dict]) -> list[dict]:
     return [o["meta_info"] for o in out]
 
 
-def run_engine(mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
+def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
-    engine = start_engine(mode, {"BCG_BENCH_RECORD": str(record), **env})
+    engine = start_engine(model_path, mode, {"BCG_BENCH_RECORD": str(record), **env})
     try:
-        unit_norms(engine)
         results = [m for wave in waves for m in generate(engine, wave)]
         # One request per call: consecutive forwards in a known order.
         probe_results = [generate(engine, [r])[0] for r in probes]
@@ -219,11 +215,11 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(checkpoint):
     waves, probes = workload(), probe_requests()
-    eager = run_engine("disabled", waves, probes)
-    bcg = run_engine("bcg", waves, probes, BCG_STATS_INTERVAL_S="1")
-    stale = run_engine("bcg", [], probes, BCG_TEST_STALE_METADATA="1", BCG_SIZES=STALE_SIZES)
+    eager = run_engine(checkpoint, "disabled", waves, probes)
+    bcg = run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1")
+    stale = run_engine(checkpoint, "bcg", [], probes, BCG_TEST_STALE_METADATA="1", BCG_SIZES=STALE_SIZES)
     spread = spread_of(eager["results"] + eager["probes"])
     print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread")
     return {"eager": eager, "bcg": bcg, "stale": stale, "spread": spread}
