@@ -32,6 +32,7 @@ class AdapterReport:
         targets: ``(patch target, problem or None)`` for every host symbol the adapter patches.
         problems: why the adapter would stay off (version, missing or changed targets).
         enable_hint: how a user switches bcg on for this host.
+        notes: advice that does not stop the plugin (e.g. what telemetry needs).
     """
 
     engine: str
@@ -40,6 +41,7 @@ class AdapterReport:
     targets: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     enable_hint: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def installed(self) -> bool:
@@ -115,6 +117,8 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout) -> int:
             say(f"  {'ok  ' if problem is None else 'FAIL'} {target}" + ("" if problem is None else f": {problem}"))
         for problem in report.problems:
             say(f"  problem: {problem}")
+        for note in report.notes:
+            say(f"  note: {note}")
         if not report.compatible:
             ok = False
             say(f"  -> the plugin stays off in {engine}; the engine runs unpatched")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+from bcg_adapters.vllm.graphs import METRICS_ENV, METRICS_NOTE
 from bcg_plugin.doctor import AdapterReport
 
 
@@ -16,6 +19,8 @@ def diagnose() -> AdapterReport:
     problem = version_problem(report.version)
     if problem is not None:
         report.problems.append(problem)
+    if METRICS_ENV not in os.environ:
+        report.notes.append(METRICS_NOTE)
     for patch in ALL:
         try:
             patch.verify()

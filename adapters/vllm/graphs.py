@@ -26,6 +26,12 @@ from bcg_plugin.stats import StatsReporter
 # (NOTES pitfall 8). The GPU tests use it as the negative control that must fail the comparison.
 STALE_METADATA_ENV = "BCG_VLLM_TESTING_STALE_METADATA"
 STATS_LOG_INTERVAL_S = 30.0
+# vLLM serves /metrics from the API server's own registry unless prometheus_client runs in
+# multiprocess mode; the runner's counters live in the engine process.
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+METRICS_NOTE = (f"bcg's Prometheus counters reach vLLM's /metrics only with {METRICS_ENV} set to an empty "
+                "directory before `vllm serve` starts (prometheus_client's multiprocess mode); the periodic "
+                "log line works without it")
 _GRAPH_INPUTS = ("input_ids", "positions", "inputs_embeds")
 
 # Every live instance in this process, for the benchmark and tests (weak: runners own them).
@@ -72,6 +78,8 @@ class VllmPrefillGraphs:
             self.runner.stats, logger=logger, interval_s=STATS_LOG_INTERVAL_S if self._reports else 0,
             exporter=host_exporter("vllm:", logger) if self._reports else None,
         )
+        if self._reports and METRICS_ENV not in os.environ:
+            logger.info("bcg: %s", METRICS_NOTE)
         INSTANCES.add(self)
 
     @classmethod

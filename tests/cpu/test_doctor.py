@@ -49,3 +49,15 @@ def test_no_host_installed_is_an_error(monkeypatch):
     monkeypatch.setattr(doctor, "adapter_report", lambda engine: doctor.AdapterReport(engine, None, "?"))
     rc, text = _run()
     assert rc == 1 and "nothing to do" in text
+
+
+def test_vllm_report_says_what_metrics_need(monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    out = io.StringIO()
+    doctor.run(None, ["vllm"], out=out)
+    assert "note: bcg's Prometheus counters reach vLLM's /metrics only with PROMETHEUS_MULTIPROC_DIR" in out.getvalue()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/prom")
+    out = io.StringIO()
+    doctor.run(None, ["vllm"], out=out)
+    assert "PROMETHEUS_MULTIPROC_DIR" not in out.getvalue()

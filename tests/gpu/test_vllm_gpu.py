@@ -139,6 +139,18 @@ def mismatches(results: list, reference: list) -> list[int]:
     return bad
 
 
+def worst_logprob_diff(results: list, reference: list) -> float:
+    """The largest |logprob difference| on shared top-k tokens, over positions before divergence."""
+    worst = 0.0
+    for r, ref in zip(results, reference):
+        for pos in range(len(ref["top"])):
+            a, b = r["top"][pos], ref["top"][pos]
+            worst = max([worst, *(abs(a[t] - b[t]) for t in a.keys() & b.keys())])
+            if r["tokens"][pos] != ref["tokens"][pos]:
+                break
+    return worst
+
+
 # -- tests -----------------------------------------------------------------------------------------
 
 pytestmark = pytest.mark.gpu
@@ -188,6 +200,9 @@ def test_bcg_matches_eager(engines, bcg_name, ref_name):
     assert ref["bcg"] == []  # the eager reference really ran without bcg
     _assert_bcg_ran(run)
     bad = mismatches(run["results"], ref["results"])
+    print(f"[bcg gpu] {bcg_name} vs {ref_name}: {run['bcg'][0]['replays']} replays, {len(bad)}/{NUM_PROMPTS} "
+          f"prompts beyond tolerance, worst |d logprob| {worst_logprob_diff(run['results'], ref['results']):.4f} "
+          f"(atol {LOGPROB_ATOL})")
     assert bad == [], f"{len(bad)}/{NUM_PROMPTS} prompts differ from eager beyond tolerance: {bad[:20]}"
 
 
@@ -199,6 +214,8 @@ def test_stale_metadata_replay_fails_the_same_check(engines):
                     f"(inconclusive negative control):\n{run['log']}")
     _assert_bcg_ran(run)
     bad = mismatches(run["results"], ref["results"])
+    print(f"[bcg gpu] stale-metadata control: {len(bad)}/{NUM_PROMPTS} prompts beyond tolerance, worst "
+          f"|d logprob| {worst_logprob_diff(run['results'], ref['results']):.4f}")
     assert len(bad) >= NUM_PROMPTS // 10, f"only {len(bad)} prompts differ: the check cannot see stale metadata"
 
 
