@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bcg_plugin.bench import targets
 from bcg_plugin.bench.models import shape_summary
 from bcg_plugin.bench.report import environment, plot_capture_memory, plot_latency, plot_speedup, write_markdown
 
@@ -155,6 +156,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
             n: _ratio(good["bcg"]["e2e_ms"].get(n), min((e[n] for e in others.values() if n in e), default=None))
             for n in sizes}
         lines += ["## End-to-end ratios (below 1: bcg faster)", "", *_table(sizes, ratios, digits=3), ""]
+    lines += targets.markdown(result["engine"], good)
     lines += ["| mode | init s | capture s | graph memory GiB |", "|---|---|---|---|"]
     for m, d in good.items():
         lines.append(f"| {m} | {_fmt(d.get('init_s'))} | {_fmt(d.get('capture_s'))} | {_fmt(d.get('graph_mem_gib'), 3)} |")

@@ -57,3 +57,22 @@ def test_render_writes_report_and_three_plots(tmp_path):
     assert written == {f"{stem}.md", f"{stem}.png", f"{stem}-speedup.png", f"{stem}-capture.png"}
     md = (tmp_path / f"{stem}.md").read_text()
     assert f"![{stem}-speedup.png]({stem}-speedup.png)" in md and "| 16 | 20.00 | 10.00 |" in md
+
+
+def test_targets_are_checked_as_worst_cases_and_missing_modes_are_not_met():
+    from bcg_plugin.bench import targets
+
+    modes = {
+        "native": {"e2e_ms": {"16": 10.0, "1024": 20.0}, "forward_ms": {"16": 5.0}, "capture_s": 10.0,
+                   "graph_mem_gib": 1.0},
+        "bcg": {"e2e_ms": {"16": 10.1, "1024": 22.0}, "forward_ms": {"16": 4.0}, "capture_s": 8.0,
+                "graph_mem_gib": 0.9},
+    }
+    table = "\n".join(targets.markdown("sglang", modes))
+    assert "| bcg / native (e2e, every N) | <= 1.02 | 1.100 | no |" in table  # the worst N, not the best
+    assert "| bcg / native (capture seconds) | <= 0.75 (any one of 'strictly better') | 0.800 | no |" in table
+    assert "| bcg / native (model forward, N <= 512) | <= 0.95 (any one of 'strictly better') | 0.800 | yes |" in table
+    assert "'strictly better': met." in table
+    table = "\n".join(targets.markdown("vllm", {"bcg": modes["bcg"]}))
+    assert "| bcg / best of native, native_ladder, compile (e2e, every N) | <= 1.02 | not measured | - |" in table
+    assert "| eager / bcg (e2e, N <= 512) | >= 3 | not measured | - |" in table

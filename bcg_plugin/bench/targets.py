@@ -1,0 +1,95 @@
+"""The engine benchmarks' targets, checked against one result file (ratios within that run only).
+
+Each target reduces the run to one figure (a worst case over the sizes it covers) and a limit. A
+target whose modes or sizes are missing from the run reads "not measured", never "met".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One target: what is compared, the limit, and which way the figure must fall."""
+
+    label: str
+    limit: float
+    figure: Callable[[dict], float | None]  # the run's worst case, or None if not measured
+    at_most: bool = True
+    group: str = ""  # targets sharing a group: meeting any one of them suffices
+
+    def check(self, modes: dict) -> tuple[float | None, bool | None]:
+        value = self.figure(modes)
+        if value is None:
+            return None, None
+        return value, value <= self.limit if self.at_most else value >= self.limit
+
+
+def _series(modes: dict, mode: str, key: str = "e2e_ms") -> dict[int, float]:
+    return {int(n): v for n, v in (modes.get(mode, {}).get(key) or {}).items()}
+
+
+def _worst_ratio(modes: dict, mode: str, others: list[str], key: str = "e2e_ms", sizes=None,
+                 worst=max) -> float | None:
+    """Worst over N of mode / best of ``others`` at that N."""
+    mine = _series(modes, mode, key)
+    theirs = [_series(modes, o, key) for o in others]
+    ratios = [mine[n] / min(t[n] for t in theirs if n in t)
+              for n in mine if (sizes is None or n in sizes) and any(n in t for t in theirs)]
+    return worst(ratios) if ratios else None
+
+
+def _scalar_ratio(modes: dict, key: str, mode: str, other: str) -> float | None:
+    a, b = (modes.get(mode) or {}).get(key), (modes.get(other) or {}).get(key)
+    return a / b if a is not None and b else None
+
+
+def _inverse(x: float | None) -> float | None:
+    return 1 / x if x else None
+
+
+TARGETS: dict[str, list[Target]] = {
+    "vllm": [
+        Target("bcg / best of native, native_ladder, compile (e2e, every N)", 1.02,
+               lambda m: _worst_ratio(m, "bcg", ["native", "native_ladder", "compile"])),
+        Target("bcg / native (e2e, N = 1024 and 2048)", 0.6,
+               lambda m: _worst_ratio(m, "bcg", ["native"], sizes={1024, 2048})),
+        Target("eager / bcg (e2e, N <= 512)", 3.0,
+               lambda m: _inverse(_worst_ratio(m, "bcg", ["eager"], sizes=range(513))), at_most=False),
+        Target("bcg / native (capture seconds)", 1.0, lambda m: _scalar_ratio(m, "capture_s", "bcg", "native")),
+        Target("bcg / native (graph memory)", 1.0, lambda m: _scalar_ratio(m, "graph_mem_gib", "bcg", "native")),
+    ],
+    "sglang": [
+        Target("bcg / native (e2e, every N)", 1.02, lambda m: _worst_ratio(m, "bcg", ["native"])),
+        Target("bcg / native (capture seconds)", 0.75, lambda m: _scalar_ratio(m, "capture_s", "bcg", "native"),
+               group="strictly better"),
+        Target("bcg / native (graph memory)", 0.75, lambda m: _scalar_ratio(m, "graph_mem_gib", "bcg", "native"),
+               group="strictly better"),
+        Target("bcg / native (model forward, N <= 512)", 0.95,
+               lambda m: _worst_ratio(m, "bcg", ["native"], key="forward_ms", sizes=range(513)),
+               group="strictly better"),
+    ],
+}
+
+
+def markdown(engine: str, modes: dict) -> list[str]:
+    """The targets table for a run of ``engine`` (empty if the engine has none)."""
+    targets = TARGETS.get(engine, [])
+    if not targets:
+        return []
+    lines = ["## Targets (H200, Qwen3-0.6B shape)", "", "| target | limit | this run | met |", "|---|---|---|---|"]
+    groups: dict[str, list[bool | None]] = {}
+    for t in targets:
+        value, met = t.check(modes)
+        limit = f"{'<=' if t.at_most else '>='} {t.limit:g}" + (f" (any one of '{t.group}')" if t.group else "")
+        shown = "not measured" if value is None else f"{value:.3f}"
+        verdict = "-" if met is None else ("yes" if met else "no")
+        lines.append(f"| {t.label} | {limit} | {shown} | {verdict} |")
+        if t.group:
+            groups.setdefault(t.group, []).append(met)
+    for group, verdicts in groups.items():
+        state = "met" if any(verdicts) else ("not measured" if all(v is None for v in verdicts) else "not met")
+        lines += ["", f"'{group}': {state}."]
+    return lines + [""]
