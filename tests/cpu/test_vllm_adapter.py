@@ -293,6 +293,7 @@ def fake_context(metadata, impl):
 
 def test_attention_kernel_binds_the_live_batch_and_scrubs_padded_rows():
     import vllm.forward_context as fc
+    import vllm.model_executor.layers.attention.attention  # noqa: F401  registers the op
 
     impl = RecordingImpl()
     vllm_ctx, bound_ctx = fake_context("vllm's", impl), fake_context("bound", impl)
