@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bcg_adapters.sglang import settings
+
 MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
 
 
@@ -40,7 +42,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
     from bcg_plugin.bench.models import model_dir
 
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-bench-")) / "record.jsonl"
-    os.environ["BCG_BENCH_RECORD"] = str(record)
+    os.environ[settings.BENCH_RECORD_ENV] = str(record)
     chunk = max(max(sizes), 16)
     t0 = time.perf_counter()
     engine = sglang.Engine(

@@ -7,6 +7,7 @@ because SGLang rejects unknown flags and kwargs and spawned schedulers inherit t
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -26,6 +27,17 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 STALE_METADATA_ENV = "BCG_TEST_STALE_METADATA"
 # Bench-only: a file the scheduler appends prefill forward timings and capture figures to.
 BENCH_RECORD_ENV = "BCG_BENCH_RECORD"
+
+
+def bench_record_path() -> str | None:
+    """The benchmark's record file, or ``None`` outside a benchmark."""
+    return os.environ.get(BENCH_RECORD_ENV) or None
+
+
+def append_bench_record(path: str, record: dict) -> None:
+    """Append ``record`` to the benchmark's record file as one JSON line (schedulers share the file)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:

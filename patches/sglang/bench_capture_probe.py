@@ -7,18 +7,15 @@ same measurement for every prefill backend, plus bcg's pool size when bcg's runn
 
 from __future__ import annotations
 
-import json
-import os
-
 from bcg_patches.sglang.base import Patch
 
 TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
 
 
 def after_capture_prefill_graph(result, *args, **kwargs):
-    from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
+    from bcg_adapters.sglang.settings import append_bench_record, bench_record_path
 
-    path = os.environ.get(BENCH_RECORD_ENV)
+    path = bench_record_path()
     if not path:
         return None
     runner = getattr(result, "runner", None)
@@ -31,8 +28,7 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "bcg_pool_gib": core.graph_bytes / 2**30 if core is not None else None,
         "bcg_capture_s": core.stats.capture_seconds if core is not None else None,
     }
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_bench_record(path, record)
     return None
 
 

@@ -7,9 +7,6 @@ synchronisation it adds makes it unfit for serving.
 
 from __future__ import annotations
 
-import json
-import os
-
 from bcg_patches.sglang.base import Patch
 
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
@@ -18,9 +15,9 @@ TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     import torch
 
-    from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
+    from bcg_adapters.sglang.settings import append_bench_record, bench_record_path
 
-    path = os.environ.get(BENCH_RECORD_ENV)
+    path = bench_record_path()
     if not path or not forward_batch.forward_mode.is_extend():
         return original_fn(self, forward_batch, *args, **kwargs)
     tokens = len(forward_batch.input_ids)
@@ -31,8 +28,7 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     end.synchronize()
     record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end),
               "graph": bool(getattr(out, "can_run_graph", False))}
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_bench_record(path, record)
     return out
 
 

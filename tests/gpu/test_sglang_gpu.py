@@ -156,8 +156,10 @@ def generate(engine, reqs: list[dict]) -> list[dict]:
 
 
 def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
+    from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
+
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
-    engine = start_engine(model_path, mode, {"BCG_BENCH_RECORD": str(record), **env})
+    engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env})
     try:
         results = [m for wave in waves for m in generate(engine, wave)]
         # One request per call: consecutive forwards in a known order.
