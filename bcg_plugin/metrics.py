@@ -68,3 +68,13 @@ def host_exporter(prefix: str, logger: Any = None) -> PrometheusExporter | None:
         if logger is not None:
             logger.warning("bcg: Prometheus metrics are off (%r)", e)
         return None
+
+
+def scraped_value(text: str, sample: str, **labels: str) -> float | None:
+    """The sum of ``sample``'s values in a ``/metrics`` scrape over series whose labels include
+    ``labels``, or ``None`` if no such series is there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())]
+    return sum(values) if values else None

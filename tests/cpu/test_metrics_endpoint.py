@@ -11,12 +11,13 @@ hosts do: an "engine" that mirrors a runner's stats through :func:`bcg_plugin.me
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from bcg_plugin.metrics import scraped_value
 
 ENGINE = textwrap.dedent("""
     import sys
@@ -60,16 +61,9 @@ def _python(code: str, *args: str, env: dict[str, str]) -> str:
 
 
 def _value(text: str, name: str, **labels: str) -> float:
-    total, found = 0.0, False
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", line)
-        if not m:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total, found = total + float(m.group(2)), True
-    assert found, f"{name}{labels or ''} is not on /metrics"
-    return total
+    value = scraped_value(text, name, **labels)
+    assert value is not None, f"{name}{labels or ''} is not on /metrics"
+    return value
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import urllib.request
 import pytest
 
 from bcg_plugin.bench.models import model_dir
+from bcg_plugin.metrics import scraped_value
 
 pytestmark = pytest.mark.gpu
 
@@ -58,9 +58,9 @@ def _serve(cmd: list[str], env: dict, health: str, timeout_s: float = 240) -> su
 
 
 def _metric(text: str, name: str) -> float:
-    values = [float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M)]
-    assert values, f"{name} not on /metrics"
-    return sum(values)
+    value = scraped_value(text, name)
+    assert value is not None, f"{name} not on /metrics"
+    return value
 
 
 def _server_dependencies(*modules: str) -> None:
