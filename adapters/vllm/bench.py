@@ -86,7 +86,7 @@ class Timers:
 
         return set_forward_context
 
-    def forward_ms(self) -> tuple[float, float] | None:
+    def last_forward(self) -> tuple[float, float] | None:
         """The largest forward since the last call (the prefill of the request just served):
         its device time (CUDA events) and the host time spent issuing it."""
         import torch
@@ -145,20 +145,21 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int) -> dict
             t0 = time.perf_counter()
             llm.generate([prompt], params, use_tqdm=False)
             elapsed = (time.perf_counter() - t0) * 1e3
-            f = timers.forward_ms()
+            f = timers.last_forward()
             if i >= warmup:
                 times.append(elapsed)
                 if f is not None:
-                    forwards.append(f[0])
-                    hosts.append(f[1])
+                    device_ms, host_ms = f
+                    forwards.append(device_ms)
+                    hosts.append(host_ms)
         e2e[str(n)] = statistics.median(times)
         if forwards:
             fwd[str(n)] = statistics.median(forwards)
             fwd_host[str(n)] = statistics.median(hosts)
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
-    result = {"mode": mode, "e2e_ms": e2e, "forward_ms": fwd, "forward_host_ms": fwd_host, "init_s": init_s, "capture_s": timers.capture_s,
-              "graph_mem_gib": timers.graph_bytes / 2**30}
+    result = {"mode": mode, "e2e_ms": e2e, "forward_ms": fwd, "forward_host_ms": fwd_host, "init_s": init_s,
+              "capture_s": timers.capture_s, "graph_mem_gib": timers.graph_bytes / 2**30}
     if mode == "bcg":
         from bcg_adapters.vllm.graphs import INSTANCES
 

@@ -31,14 +31,13 @@ def _series(modes: dict, mode: str, key: str = "e2e_ms") -> dict[int, float]:
     return {int(n): v for n, v in (modes.get(mode, {}).get(key) or {}).items()}
 
 
-def _worst_ratio(modes: dict, mode: str, others: list[str], key: str = "e2e_ms", sizes=None,
-                 worst=max) -> float | None:
-    """Worst over N of mode / best of ``others`` at that N."""
+def _worst_ratio(modes: dict, mode: str, others: list[str], key: str = "e2e_ms", sizes=None) -> float | None:
+    """The largest over N of mode / best of ``others`` at that N."""
     mine = _series(modes, mode, key)
     theirs = [_series(modes, o, key) for o in others]
     ratios = [mine[n] / min(t[n] for t in theirs if n in t)
               for n in mine if (sizes is None or n in sizes) and any(n in t for t in theirs)]
-    return worst(ratios) if ratios else None
+    return max(ratios) if ratios else None
 
 
 def _scalar_ratio(modes: dict, key: str, mode: str, other: str) -> float | None:
