@@ -126,29 +126,26 @@ def position_matches(a: dict, b: dict) -> bool:
     return len(shared) >= MIN_SHARED_TOP5 and max(abs(a[t] - b[t]) for t in shared) <= LOGPROB_ATOL
 
 
+def compared_positions(result: dict, reference: dict):
+    """The (top-k, reference top-k) pairs compared for one prompt: every position up to and
+    including the first where the greedy tokens differ (after a near-tie, later positions answer
+    different questions)."""
+    for pos in range(len(reference["top"])):
+        yield result["top"][pos], reference["top"][pos]
+        if result["tokens"][pos] != reference["tokens"][pos]:
+            return
+
+
 def mismatches(results: list, reference: list) -> list[int]:
     """Prompts whose outputs are not within tolerance of the reference (see module docstring)."""
-    bad = []
-    for i, (r, ref) in enumerate(zip(results, reference)):
-        for pos in range(len(ref["top"])):
-            if not position_matches(r["top"][pos], ref["top"][pos]):
-                bad.append(i)
-                break
-            if r["tokens"][pos] != ref["tokens"][pos]:
-                break  # greedy paths diverged on a near-tie: later positions are different questions
-    return bad
+    return [i for i, (r, ref) in enumerate(zip(results, reference))
+            if not all(position_matches(a, b) for a, b in compared_positions(r, ref))]
 
 
 def worst_logprob_diff(results: list, reference: list) -> float:
-    """The largest |logprob difference| on shared top-k tokens, over positions before divergence."""
-    worst = 0.0
-    for r, ref in zip(results, reference):
-        for pos in range(len(ref["top"])):
-            a, b = r["top"][pos], ref["top"][pos]
-            worst = max([worst, *(abs(a[t] - b[t]) for t in a.keys() & b.keys())])
-            if r["tokens"][pos] != ref["tokens"][pos]:
-                break
-    return worst
+    """The largest |logprob difference| on shared top-k tokens over the compared positions."""
+    return max((abs(a[t] - b[t]) for r, ref in zip(results, reference) for a, b in compared_positions(r, ref)
+                for t in a.keys() & b.keys()), default=0.0)
 
 
 # -- tests -----------------------------------------------------------------------------------------
