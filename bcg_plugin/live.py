@@ -8,10 +8,8 @@ come from here, rebound by the runner around every replay, never from a variable
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 from bcg_plugin.errors import BcgStateError
@@ -56,10 +54,20 @@ def get() -> LiveBatch | None:
     return _live.get()
 
 
-@contextlib.contextmanager
-def bound(batch: LiveBatch) -> Iterator[LiveBatch]:
-    token = _live.set(batch)
-    try:
-        yield batch
-    finally:
-        _live.reset(token)
+class bound:
+    """``with bound(batch):`` binds ``batch`` as the live batch for the block.
+
+    A plain class rather than a generator context manager: it is entered on every replay.
+    """
+
+    __slots__ = ("_batch", "_token")
+
+    def __init__(self, batch: LiveBatch) -> None:
+        self._batch = batch
+
+    def __enter__(self) -> LiveBatch:
+        self._token = _live.set(self._batch)
+        return self._batch
+
+    def __exit__(self, *exc: object) -> None:
+        _live.reset(self._token)

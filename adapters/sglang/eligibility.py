@@ -48,18 +48,7 @@ def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
     for name in ("moe_layers", "dsa_indexers", "mha_companion_layers"):
         if any(x is not None for x in getattr(model_runner, name, None) or ()):
             return f"model has {name.replace('_', ' ')} (breaks bcg does not own)"
-    if "input_embeds" not in inspect.signature(layer_model.forward).parameters:
-        return f"{type(layer_model).__name__}.forward takes no input_embeds (bcg keeps embedding outside the graph)"
-    if embedding_of(layer_model) is None:
-        return f"{type(layer_model).__name__} exposes no input embedding"
+    params = list(inspect.signature(layer_model.forward).parameters)
+    if params[:3] != ["input_ids", "positions", "forward_batch"]:
+        return f"{type(layer_model).__name__}.forward{tuple(params)} is not (input_ids, positions, forward_batch, ...)"
     return None
-
-
-def embedding_of(layer_model: Any) -> Any:
-    getter = getattr(layer_model, "get_input_embeddings", None)
-    if getter is not None:
-        try:
-            return getter()
-        except (AttributeError, NotImplementedError):
-            pass
-    return getattr(layer_model, "embed_tokens", None)

@@ -1,4 +1,4 @@
-"""bcg's host hooks for one SGLang ``ModelRunner``: inputs, capture batch, body, embedding, tail."""
+"""bcg's host hooks for one SGLang ``ModelRunner``: inputs, capture batch, body, tail."""
 
 from __future__ import annotations
 
@@ -13,20 +13,21 @@ from bcg_plugin import HostBatch, StaticInput, hookimpl
 class SglangHost:
     """The pieces of one SGLang model runner that bcg's core captures and replays.
 
-    Holds the runner, the module owning the decoder layers (the captured body), its input
-    embedding (run eagerly before every replay, so the graph starts from an embeds buffer) and
-    the capture stream SGLang's ``graph_capture()`` context provides.
+    Holds the runner, the module owning the decoder layers and their input embedding (the
+    captured body) and the capture stream SGLang's ``graph_capture()`` context provides.
 
-    The graph's per-row inputs are ``input_ids``, ``positions``, ``out_cache_loc`` and
-    ``input_embeds``: every per-token tensor model Python may read inside the body, so nothing
-    the segments read is frozen at a capture-time address (padded rows: token 0, position 0,
-    cache slot 0 which SGLang reserves for padding writes).
+    The graph's per-row inputs are ``input_ids``, ``positions`` and ``out_cache_loc``: every
+    per-token tensor model Python may read inside the body, so nothing the segments read is frozen
+    at a capture-time address (padded rows: token 0, position 0, cache slot 0 which SGLang
+    reserves for padding writes). The embedding lookup is captured in the first segment: batches
+    that bring their own embeddings (multimodal, ``input_embeds``) never replay
+    (:meth:`~bcg_adapters.sglang.runner.BcgPrefillRunner.can_replay_locally`), so no step needs an
+    eager lookup or an embeddings copy.
     """
 
-    def __init__(self, model_runner: Any, layer_model: Any, embedding: Any):
+    def __init__(self, model_runner: Any, layer_model: Any):
         self.model_runner = model_runner
         self.layer_model = layer_model
-        self.embedding = embedding
         self.device = torch.device(model_runner.device, torch.cuda.current_device())
         self.capture_stream: torch.cuda.Stream | None = None
         self._dp = _dp_layout(model_runner)
@@ -43,12 +44,10 @@ class SglangHost:
 
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
-        mr = self.model_runner
         return {
             "input_ids": StaticInput((), torch.int64, 0),
             "positions": StaticInput((), torch.int64, 0),
             "out_cache_loc": StaticInput((), torch.int64, 0),
-            "input_embeds": StaticInput((mr.model_config.hidden_size,), mr.dtype, 0.0),
         }
 
     @hookimpl
@@ -95,8 +94,7 @@ class SglangHost:
         )
         # Planned eagerly, once per bucket; every replay plans its own live batch instead.
         mr.attn_backend.init_forward_metadata(fb)
-        inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc,
-                  "input_embeds": self.embedding(ids)}
+        inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb))
 
     @hookimpl
@@ -127,20 +125,13 @@ class SglangHost:
             num_tokens=rows,
             raw_num_tokens=rows,
         ), torch.no_grad():
-            hidden = self.layer_model.forward(
-                inputs["input_ids"], inputs["positions"], fb, input_embeds=inputs["input_embeds"]
-            )
+            hidden = self.layer_model.forward(inputs["input_ids"], inputs["positions"], fb)
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(
                 f"{type(self.layer_model).__name__}.forward returned {type(hidden).__name__}, not hidden "
                 "states (aux hidden states / pipeline proxies are not captured by bcg)"
             )
         return hidden
-
-    @hookimpl
-    def bcg_embed(self, batch: HostBatch) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            return {"input_embeds": self.embedding(batch.inputs["input_ids"])}
 
     @hookimpl
     def bcg_logits_tail(self, hidden: torch.Tensor, batch: HostBatch) -> Any:

@@ -201,7 +201,7 @@ def build_runner(model_runner: Any, native_cls: type, config: BcgConfig) -> Any:
     if reason is not None:
         logger.warning("bcg: not serving prefill for this model (%s); SGLang's own runner is used", reason)
         return native_cls(model_runner)
-    host = SglangHost(model_runner, layer_model, eligibility.embedding_of(layer_model))
+    host = SglangHost(model_runner, layer_model)
     return BcgPrefillRunner(model_runner, config, host)
 
 

@@ -67,7 +67,7 @@ class VllmPrefillGraphs:
     def __init__(self, host: VllmHost, vllm_config: Any):
         self.host = host
         self.runner = PrefillGraphRunner(
-            plugin_manager(host), bcg_config(vllm_config),
+            plugin_manager(*host.plugins()), bcg_config(vllm_config),
             chunk_size=vllm_config.scheduler_config.max_num_batched_tokens, device=host.device,
         )
         self.stale_metadata = os.environ.get(STALE_METADATA_ENV) == "1"
@@ -144,6 +144,8 @@ class VllmPrefillGraphs:
             live = (context.slot_mapping or {}).get(layer)
             if live is None or live.data_ptr() != ptr:
                 return None
+        if self.host.embeds_in_graph and model_inputs.get("inputs_embeds") is not None:
+            return None  # the graph embeds token ids itself; embeddings from the host were not captured
         payload = self.host.capture_contexts[bucket] if self.stale_metadata else context
         inputs = {k: model_inputs.get(k) for k in _GRAPH_INPUTS if model_inputs.get(k) is not None}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload)

@@ -24,9 +24,12 @@ class VllmHost:
     """Hooks shared by both runners.
 
     Attributes:
-        model: the raw ``nn.Module`` (no vLLM graph wrapper), called with ``inputs_embeds`` so the
-            embedding stays outside the graph.
+        model: the raw ``nn.Module`` (no vLLM graph wrapper).
         vllm_config: the engine config (DP size for the capture context).
+        embeds_in_graph: whether the embedding lookup is captured in the first segment (text-only
+            models: the graph starts from static token ids, and no eager lookup or embeds copy runs
+            per step) or stays outside (models that take ``inputs_embeds``: multimodal merged
+            embeddings, prompt embeddings), where :class:`EagerEmbedding` runs it before landing.
         hidden_size, dtype, device: shape of the static ``inputs_embeds`` rows.
         stream: the capture stream of the enclosing ``graph_capture`` (set for the capture only).
     """
@@ -35,10 +38,20 @@ class VllmHost:
         self.model = model
         self.vllm_config = vllm_config
         self.device = device
+        self.embeds_in_graph = takes_token_ids_only(model, vllm_config)
         self.hidden_size = vllm_config.model_config.get_hidden_size()
         self.dtype = vllm_config.model_config.dtype
         self.stream: torch.cuda.Stream | None = None
         self.capture_contexts: dict[int, Any] = {}
+
+    @property
+    def graph_input(self) -> str:
+        """The model input the graph starts from: ``input_ids`` or ``inputs_embeds``."""
+        return "input_ids" if self.embeds_in_graph else "inputs_embeds"
+
+    def plugins(self) -> list[object]:
+        """Every bcg plugin object of this host (the embedding one only when it runs eagerly)."""
+        return [self] if self.embeds_in_graph else [self, EagerEmbedding(self.model)]
 
     # -- capture ---------------------------------------------------------------------------------
 
@@ -60,19 +73,20 @@ class VllmHost:
 
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
-        return {
-            "inputs_embeds": StaticInput((self.hidden_size,), self.dtype, 0.0),
-            "positions": StaticInput((), torch.int64, 0),
-        }
+        # Padded rows: token 0 (a real row of the embedding table), position 0.
+        first = (StaticInput((), torch.int32, 0) if self.embeds_in_graph
+                 else StaticInput((self.hidden_size,), self.dtype, 0.0))
+        return {self.graph_input: first, "positions": StaticInput((), torch.int64, 0)}
 
     @hookimpl
     def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
         context = self.capture_context(num_tokens)
         self.capture_contexts[num_tokens] = context
         ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
+        first = ids if self.embeds_in_graph else self.model.embed_input_ids(ids)
         return HostBatch(
             num_tokens=num_tokens,
-            inputs={"inputs_embeds": self.model.embed_input_ids(ids),
+            inputs={self.graph_input: first,
                     "positions": torch.zeros(num_tokens, dtype=torch.int64, device=self.device)},
             payload=context,
         )
@@ -84,14 +98,8 @@ class VllmHost:
         # Runs only at capture: code in the model that reads the forward context (the captured
         # KV-cache write, MoE DP metadata) sees the dummy batch's, whose buffers vLLM refills.
         with override_forward_context(payload):
-            return self.model(input_ids=None, positions=inputs["positions"], intermediate_tensors=None,
-                              inputs_embeds=inputs["inputs_embeds"])
-
-    @hookimpl
-    def bcg_embed(self, batch: HostBatch) -> dict[str, torch.Tensor] | None:
-        if batch.inputs.get("inputs_embeds") is not None:
-            return None
-        return {"inputs_embeds": self.model.embed_input_ids(batch.inputs["input_ids"][: batch.num_tokens])}
+            return self.model(input_ids=inputs.get("input_ids"), positions=inputs["positions"],
+                              intermediate_tensors=None, inputs_embeds=inputs.get("inputs_embeds"))
 
     @hookimpl
     def bcg_world_group(self) -> Any:
@@ -103,6 +111,26 @@ class VllmHost:
     @hookimpl
     def bcg_capture_stream(self) -> torch.cuda.Stream | None:
         return self.stream
+
+
+class EagerEmbedding:
+    """The embedding lookup run eagerly before landing, for graphs that start from ``inputs_embeds``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @hookimpl
+    def bcg_embed(self, batch: HostBatch) -> dict[str, torch.Tensor] | None:
+        if batch.inputs.get("inputs_embeds") is not None:
+            return None
+        return {"inputs_embeds": self.model.embed_input_ids(batch.inputs["input_ids"][: batch.num_tokens])}
+
+
+def takes_token_ids_only(model: torch.nn.Module, vllm_config: Any) -> bool:
+    """Whether every step feeds this model token ids (no multimodal or prompt embeddings)."""
+    from vllm.model_executor.models.interfaces import supports_multimodal
+
+    return not supports_multimodal(model) and not getattr(vllm_config.model_config, "enable_prompt_embeds", False)
 
 
 class V2Host(VllmHost):

@@ -155,22 +155,18 @@ def test_config_defaults_off_and_reads_env():
 
 def test_layers_reason_rejects_what_bcg_does_not_capture():
     class Body:
-        def __init__(self):
-            self.embed_tokens = object()
-
         def forward(self, input_ids, positions, forward_batch, input_embeds=None):
             return None
 
-    class NoEmbeds(Body):
-        def forward(self, input_ids, positions, forward_batch):
+    class OtherSignature:
+        def forward(self, hidden_states, forward_batch):
             return None
 
     dense = types.SimpleNamespace(moe_layers=[None] * 2, dsa_indexers=None, mha_companion_layers=[None, None])
     assert eligibility.layers_reason(dense, Body()) is None
-    assert eligibility.embedding_of(Body()) is not None
     moe = types.SimpleNamespace(moe_layers=[None, object()], dsa_indexers=None, mha_companion_layers=None)
     assert "moe layers" in eligibility.layers_reason(moe, Body())
-    assert "input_embeds" in eligibility.layers_reason(dense, NoEmbeds())
+    assert "is not (input_ids, positions, forward_batch" in eligibility.layers_reason(dense, OtherSignature())
 
 
 def vote_runner(sizes=(16, 32, 64), ratio=None):

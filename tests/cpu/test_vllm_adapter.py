@@ -315,3 +315,46 @@ def test_attention_kernel_binds_the_live_batch_and_scrubs_padded_rows():
     with fc.override_forward_context(vllm_ctx), live.bound(LiveBatch(5, 8, bound_ctx)):
         op(q, q, q, out, "layer.0")
     assert impl.seen[-1] == "vllm's"  # the original kernel is back
+
+
+# -- graph inputs ---------------------------------------------------------------------------------
+
+
+class _TextModel(torch.nn.Module):
+    def embed_input_ids(self, ids):
+        return torch.ones(ids.shape[0], 1024)
+
+
+class _Host:
+    """VllmHost with a trivial capture context (the real ones need a built model runner)."""
+
+    def __new__(cls, model, vllm_config):
+        from bcg_adapters.vllm.host import VllmHost
+
+        host = type("CpuHost", (VllmHost,), {"capture_context": lambda self, n: ("ctx", n)})(
+            model, vllm_config, torch.device("cpu"))
+        return host
+
+
+@pytest.mark.parametrize("prompt_embeds", [False, True])
+def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_config, prompt_embeds):
+    from bcg_adapters.vllm.host import EagerEmbedding
+    from bcg_plugin import HostBatch, plugin_manager
+
+    config = make_config(model_config)
+    config.model_config.enable_prompt_embeds = prompt_embeds
+    host = _Host(_TextModel(), config)
+    statics = host.bcg_static_inputs()
+    batch = host.bcg_dummy_batch(num_tokens=4)
+    pm = plugin_manager(*host.plugins())
+    embedders = [p for p in pm.get_plugins() if isinstance(p, EagerEmbedding)]
+    if not prompt_embeds:
+        assert host.embeds_in_graph and set(statics) == {"input_ids", "positions"}
+        assert statics["input_ids"].dtype == torch.int32 and batch.inputs["input_ids"].dtype == torch.int32
+        assert not pm.hook.bcg_embed.get_hookimpls() and not embedders  # nothing runs eagerly per step
+    else:
+        assert not host.embeds_in_graph and set(statics) == {"inputs_embeds", "positions"}
+        assert batch.inputs["inputs_embeds"].shape == (4, 1024)
+        live_batch = HostBatch(num_tokens=3, inputs={"input_ids": torch.zeros(8, dtype=torch.int32)})
+        assert pm.hook.bcg_embed(batch=live_batch)["inputs_embeds"].shape == (3, 1024)
+    assert batch.payload == ("ctx", 4) and host.capture_contexts[4] == ("ctx", 4)
