@@ -58,7 +58,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
     init_s = time.perf_counter() - t0
     rng = random.Random(seed)
     params = {"max_new_tokens": 1, "temperature": 0.0}
-    e2e, fwd = {}, {}
+    e2e, fwd, fwd_host = {}, {}, {}
     try:
         for n in sizes:
             ids = [rng.randrange(100, 150000) for _ in range(n)]
@@ -71,9 +71,10 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
                 engine.generate(input_ids=ids, sampling_params=params)
                 times.append((time.perf_counter() - s) * 1e3)
             e2e[str(n)] = statistics.median(times)
-            forwards = [r["ms"] for r in _records(record, "forward", mark) if r["tokens"] == n]
+            forwards = [r for r in _records(record, "forward", mark) if r["tokens"] == n]
             if forwards:
-                fwd[str(n)] = statistics.median(forwards)
+                fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
+                fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)
     finally:
         engine.shutdown()
     capture = (_records(record, "capture") or [{}])[-1]
@@ -82,6 +83,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         "prefill_backend_flag": MODES[mode],
         "e2e_ms": e2e,
         "forward_ms": fwd,
+        "forward_host_ms": fwd_host,
         "init_s": init_s,
         "capture_s": capture.get("seconds", 0.0),
         "graph_mem_gib": capture.get("memory_gib", 0.0),

@@ -1,11 +1,14 @@
 """Bench-only: ``ModelRunner.forward`` timed with CUDA events for extend forwards.
 
 Installed only when ``BCG_BENCH_RECORD`` names a file (the benchmark script sets it for its own
-engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "graph"}`` to it. The
-synchronisation it adds makes it unfit for serving.
+engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "host_ms", "graph"}`` to it
+(``host_ms``: host time spent issuing the forward). The synchronisation it adds makes it unfit for
+serving.
 """
 
 from __future__ import annotations
+
+import time
 
 from bcg_patches.sglang.base import Patch
 
@@ -23,10 +26,12 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     tokens = len(forward_batch.input_ids)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     out = original_fn(self, forward_batch, *args, **kwargs)
+    host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
     end.synchronize()
-    record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end),
+    record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end), "host_ms": host_ms,
               "graph": bool(getattr(out, "can_run_graph", False))}
     append_bench_record(path, record)
     return out
