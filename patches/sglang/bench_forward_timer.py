@@ -1,9 +1,9 @@
 """Bench-only: ``ModelRunner.forward`` timed with CUDA events for extend forwards.
 
 Installed only when ``BCG_BENCH_RECORD`` names a file (the benchmark script sets it for its own
-engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "host_ms", "graph"}`` to it
-(``host_ms``: host time spent issuing the forward). The synchronisation it adds makes it unfit for
-serving.
+engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph"}``
+to it (``host_ms``: host time spent issuing the forward). The synchronisation it adds makes it unfit
+for serving.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
     end.synchronize()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end), "host_ms": host_ms,
-              "graph": bool(getattr(out, "can_run_graph", False))}
+              "rank": rank, "graph": bool(getattr(out, "can_run_graph", False))}
     append_bench_record(path, record)
     return out
 

@@ -358,3 +358,26 @@ def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_conf
         live_batch = HostBatch(num_tokens=3, inputs={"input_ids": torch.zeros(8, dtype=torch.int32)})
         assert pm.hook.bcg_embed(batch=live_batch)["inputs_embeds"].shape == (3, 1024)
     assert batch.payload == ("ctx", 4) and host.capture_contexts[4] == ("ctx", 4)
+
+
+# -- stats over collective RPC ----------------------------------------------------------------------
+
+
+def test_worker_extension_resolves_and_reports_this_workers_runners(monkeypatch):
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from bcg_adapters.vllm import graphs, rpc
+    from bcg_plugin.stats import Fallback, RuntimeStats
+
+    ext = resolve_obj_by_qualname(rpc.WORKER_EXTENSION)
+    assert ext is rpc.BcgWorkerExtension
+    assert [a for a in dir(ext) if not a.startswith("__")] == ["bcg_stats"]  # vLLM refuses name clashes
+
+    stats = RuntimeStats()
+    stats.record_replay(16, 10)
+    stats.record_fallback(Fallback.OVER_TOP_BUCKET)
+    fake = types.SimpleNamespace(runner=types.SimpleNamespace(stats=stats))
+    monkeypatch.setattr(graphs, "INSTANCES", [fake])
+    (got,) = ext().bcg_stats()
+    assert got["replays"] == 1 and got["replays_by_bucket"] == {"16": 1}
+    assert got["fallbacks"] == {"over_top_bucket": 1} and got["padded_tokens"] == 6

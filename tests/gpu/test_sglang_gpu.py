@@ -38,12 +38,16 @@ SEED = 0
 # The last two are consecutive forwards of N tokens with different layouts (no prefix / prefix).
 PROBES = [(40, 24), (100, 64), (300, 200)]
 STALE_SIZES = "32,64,128,256"
+# Multi-GPU runs of the same check: BCG_TEST_TP=2 [BCG_TEST_MODEL=qwen3-8b] (needs TP GPUs). Models
+# other than the 0.6B one load SGLang's dummy weights: a scaled checkpoint of them is too large to write.
+TP = int(os.environ.get("BCG_TEST_TP", "1"))
+MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 
 
 def model_config() -> dict:
     from bcg_plugin.bench.models import MODELS
 
-    return dict(MODELS["qwen3-0.6b"])
+    return dict(MODELS[MODEL])
 
 
 def write_scaled_checkpoint(path: Path, device: str = "cuda", seed: int = SEED) -> Path:
@@ -72,6 +76,14 @@ def write_scaled_checkpoint(path: Path, device: str = "cuda", seed: int = SEED) 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
+    import torch
+
+    if torch.cuda.device_count() < TP:
+        pytest.skip(f"BCG_TEST_TP={TP} needs {TP} GPUs, {torch.cuda.device_count()} visible")
+    if MODEL != "qwen3-0.6b":
+        from bcg_plugin.bench.models import model_dir
+
+        return str(model_dir(MODEL))  # config only: the engines load dummy weights
     return str(write_scaled_checkpoint(tmp_path_factory.mktemp("bcg-qwen3-0.6b-scaled")))
 
 
@@ -129,6 +141,8 @@ def start_engine(model_path: str, mode: str, env: dict[str, str]):
     try:
         engine = sglang.Engine(
             model_path=model_path,
+            load_format="auto" if MODEL == "qwen3-0.6b" else "dummy",
+            tp_size=TP,
             skip_tokenizer_init=True,
             attention_backend="triton",
             chunked_prefill_size=CHUNK,
@@ -238,6 +252,12 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert max(f["tokens"] for f in replayed) > CHUNK // 2, "no large (chunked-prefill) forward replayed"
     in_range = [f["tokens"] for f in eager_fallback if f["tokens"] <= CHUNK]
     assert not in_range, f"forwards within the top bucket ran eagerly: {in_range[:20]}"
+    per_rank = {}
+    for f in replayed:
+        per_rank.setdefault(f.get("rank", 0), []).append(f["tokens"])
+    assert len(per_rank) == TP, sorted(per_rank)
+    # Tensor-parallel ranks replay in lockstep: the same forwards, in the same order.
+    assert all(tokens == per_rank[0] for tokens in per_rank.values())
 
 
 def test_bcg_matches_eager_logprobs(runs):

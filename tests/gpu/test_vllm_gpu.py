@@ -4,6 +4,11 @@ Run on the GPU host: ``python -m pytest tests/gpu/test_vllm_gpu.py -m gpu -s``. 
 its own process (this file re-invoked as a script), in-process inside that process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the script can read bcg's counters.
 
+With ``BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b`` the same checks run with tensor parallelism (the
+attention breaks and the captured all-reduces on two GPUs); bcg's counters then come from every
+worker over vLLM's collective RPC (:mod:`bcg_adapters.vllm.rpc`), and the ranks must have replayed
+the same buckets the same number of times.
+
 Workload: 200 prompts of random lengths 1..8192 (token ids, Qwen3-0.6B-shaped dummy model),
 ``max_num_batched_tokens=2048`` so long prompts are chunked, 180 submitted at once (prefills batched
 together, and mixed with the decodes of prompts that finished prefilling), then 20 that share long
@@ -37,6 +42,9 @@ LOGPROB_ATOL = 0.25
 MIN_SHARED_TOP5 = 3
 NUM_PROMPTS, FIRST_WAVE, MAX_LEN, CHUNK, TOP_K = 200, 180, 8192, 2048, 5
 LADDER_BUCKETS = 40  # the core ladder up to CHUNK=2048
+# Multi-GPU runs of the same check: BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b (needs TP GPUs).
+TP = int(os.environ.get("BCG_TEST_TP", "1"))
+MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 ENGINE_TIMEOUT_S = 240
 
 ENGINES = {
@@ -88,13 +96,14 @@ def run_engine(name: str, out: Path) -> None:
     spec = ENGINES[name]
     from vllm import LLM, SamplingParams
 
-    from bcg_adapters.vllm.graphs import INSTANCES
+    from bcg_adapters.vllm.rpc import WORKER_EXTENSION
     from bcg_plugin.bench.models import model_dir
 
     kwargs = dict(
-        model=str(model_dir("qwen3-0.6b")), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        model=str(model_dir(MODEL)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=MAX_LEN + 512, max_num_batched_tokens=CHUNK, max_num_seqs=64, seed=0,
         gpu_memory_utilization=0.35, enable_prefix_caching=True, attention_backend=spec["backend"],
+        tensor_parallel_size=TP, worker_extension_cls=WORKER_EXTENSION,
     )
     if spec["bcg"]:
         kwargs["additional_config"] = {"bcg": {"enable": True}}
@@ -111,10 +120,7 @@ def run_engine(name: str, out: Path) -> None:
             c = o.outputs[0]
             results.append({"tokens": list(c.token_ids),
                             "top": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]})
-    stats = [{"replays": sum(g.runner.stats.replays_by_bucket.values()),
-              "fallbacks": dict(g.runner.stats.fallbacks),
-              "buckets": g.runner.stats.buckets_captured,
-              "graph_gib": g.runner.stats.graph_bytes / 2**30} for g in list(INSTANCES)]
+    stats = [s for rank in llm.collective_rpc("bcg_stats") for s in rank]  # one per TP rank with bcg
     out.write_text(json.dumps({"results": results, "bcg": stats}))
 
 
@@ -156,6 +162,10 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def engines():
     pytest.importorskip("vllm")
+    import torch
+
+    if torch.cuda.device_count() < TP:
+        pytest.skip(f"BCG_TEST_TP={TP} needs {TP} GPUs, {torch.cuda.device_count()} visible")
     cache: dict[str, dict] = {}
     tmp = Path(tempfile.mkdtemp(prefix="bcg-vllm-gpu-"))
 
@@ -163,6 +173,8 @@ def engines():
         if name not in cache:
             out = tmp / f"{name}.json"
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **ENGINES[name].get("env", {})}
+            if TP > 1:  # apply_model ships the weight rescaling to the worker processes
+                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
             proc = subprocess.run([sys.executable, __file__, name, str(out)], env=env, capture_output=True,
                                   text=True, timeout=ENGINE_TIMEOUT_S)
             if proc.returncode != 0 or not out.exists():
@@ -181,11 +193,13 @@ def _ok(run: dict, name: str) -> dict:
 
 
 def _assert_bcg_ran(run: dict) -> None:
-    assert len(run["bcg"]) == 1, run["bcg"]
+    assert len(run["bcg"]) == TP, run["bcg"]
     stats = run["bcg"][0]
     assert stats["buckets"] == LADDER_BUCKETS
     assert stats["replays"] >= 50, stats  # ~1M prompt tokens in 2048-token steps
     assert stats["fallbacks"] == {}, stats  # no forward exceeds the chunk; no feature forced eager
+    # Tensor-parallel ranks replay in lockstep: the same buckets, the same number of times.
+    assert all(s["replays_by_bucket"] == stats["replays_by_bucket"] for s in run["bcg"]), run["bcg"]
 
 
 @pytest.mark.parametrize("bcg_name, ref_name", [
