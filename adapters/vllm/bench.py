@@ -7,7 +7,9 @@ Per N: one request of N prompt tokens, one output token, prefix cache off; the e
 wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
 contract of :mod:`bcg_plugin.bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms), ``init_s``,
 ``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
-forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one.
+forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one, and
+``graph_mem_allocator_gib``, the part of ``graph_mem_gib`` torch's caching allocator holds (graph
+pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 """
@@ -41,6 +43,7 @@ class Timers:
     def __init__(self) -> None:
         self.capture_s = 0.0
         self.graph_bytes = 0
+        self.allocator_bytes = 0
         self.forwards: list = []
 
     def install(self) -> None:
@@ -58,10 +61,12 @@ class Timers:
         def capture_model(runner, *args, **kwargs):
             torch.cuda.synchronize()
             free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+            reserved_before = torch.cuda.memory_reserved()
             result = original(runner, *args, **kwargs)
             torch.cuda.synchronize()
             self.capture_s += time.perf_counter() - start
             self.graph_bytes += free_before - torch.cuda.mem_get_info()[0]
+            self.allocator_bytes += torch.cuda.memory_reserved() - reserved_before
             return result
 
         return capture_model
@@ -159,7 +164,8 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int) -> dict
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
     result = {"mode": mode, "e2e_ms": e2e, "forward_ms": fwd, "forward_host_ms": fwd_host, "init_s": init_s,
-              "capture_s": timers.capture_s, "graph_mem_gib": timers.graph_bytes / 2**30}
+              "capture_s": timers.capture_s, "graph_mem_gib": timers.graph_bytes / 2**30,
+              "graph_mem_allocator_gib": timers.allocator_bytes / 2**30}
     if mode == "bcg":
         from bcg_adapters.vllm.graphs import INSTANCES
 
