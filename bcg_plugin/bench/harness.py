@@ -3,7 +3,7 @@
 Each engine's per-mode script (``bcg_adapters.<engine>.bench``) takes ``--mode --model --sizes
 --out`` and writes a JSON object with ``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``,
 ``capture_s`` and ``graph_mem_gib``. This module runs the modes back to back, stamps the run
-(engine version, model shape, GPU, date) and writes ``<engine>-<model>-<date>.{json,md,png}``.
+(engine version, model shape, GPU, date) and writes ``<engine>-<model>-<UTC date and time>.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from pathlib import Path
 
 from bcg_plugin.bench import targets
 from bcg_plugin.bench.models import shape_summary
-from bcg_plugin.bench.report import environment, plot_capture_memory, plot_latency, plot_speedup, write_markdown
+from bcg_plugin.bench.report import (
+    environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
+)
 
 ENGINES = {
     "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
@@ -94,7 +96,7 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
     result["order"] = order
     result["modes"] = {m: _merge_rounds(per_mode[m]) for m in modes}
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{engine}-{model}-{result['date'][:10]}.json"  # model names hold dots: no with_suffix
+    path = out_dir / f"{engine}-{model}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
     path.write_text(json.dumps(result, indent=2))
     render(path)
     return path

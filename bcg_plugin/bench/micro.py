@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from bcg_plugin import BcgConfig, PrefillGraphRunner, live, plugin_manager
-from bcg_plugin.bench.report import environment, write_markdown
+from bcg_plugin.bench.report import environment, run_stamp, write_markdown
 from bcg_plugin.breaks import eager_break
 from bcg_plugin.capture import capture_segments
 from bcg_plugin.pool import GraphPool
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": "bfloat16", "results": run(sizes, a.iters)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"micro-{result['env']['date'][:10]}"
+    stem = out / f"micro-{run_stamp(result['env']['date'])}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
     write_markdown(stem.with_suffix(".md"), to_markdown(json.loads(json.dumps(result))))
     print(stem.with_suffix(".md").read_text())

@@ -21,6 +21,11 @@ def environment() -> dict:
     }
 
 
+def run_stamp(date: str) -> str:
+    """``2026-11-29T14:07:42Z`` -> ``2026-11-29T1407Z``: file names of two runs on one day never collide."""
+    return f"{date[:10]}T{date[11:13]}{date[14:16]}Z"
+
+
 def write_markdown(path: Path, text: str) -> None:
     path.write_text(text)
 

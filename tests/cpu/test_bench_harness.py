@@ -3,6 +3,7 @@
 import json
 
 from bcg_plugin.bench import harness
+from bcg_plugin.bench.report import run_stamp
 
 
 def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
@@ -21,7 +22,7 @@ def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     path = harness.run("sglang", "qwen3-0.6b", [16, 64], ["bcg", "native"], tmp_path, 10, rounds=2)
     assert calls == ["bcg", "native", "native", "bcg"]
     result = json.loads(path.read_text())
-    assert path.name == f"sglang-qwen3-0.6b-{result['date'][:10]}.json"
+    assert path.name == f"sglang-qwen3-0.6b-{run_stamp(result['date'])}.json"
     assert result["order"] == calls and result["engine_version"] == "9.9.9"
     assert result["modes"]["bcg"]["e2e_ms"] == {"16": 17.0, "64": 65.0}  # round 1 (k=1) beats round 2 (k=4)
     assert result["modes"]["native"]["e2e_ms"] == {"16": 18.0, "64": 66.0}  # the failed round is skipped

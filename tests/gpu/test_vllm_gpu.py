@@ -154,6 +154,13 @@ def worst_logprob_diff(results: list, reference: list) -> float:
                 for t in a.keys() & b.keys()), default=0.0)
 
 
+def fewest_shared(results: list, reference: list) -> int:
+    """The fewest top-k tokens a compared position shares with the reference: a position sharing
+    fewer than ``MIN_SHARED_TOP5`` fails without adding to the worst logprob difference."""
+    return min((len(a.keys() & b.keys()) for r, ref in zip(results, reference) for a, b in compared_positions(r, ref)),
+               default=0)
+
+
 # -- tests -----------------------------------------------------------------------------------------
 
 pytestmark = pytest.mark.gpu
@@ -213,7 +220,8 @@ def test_bcg_matches_eager(engines, bcg_name, ref_name):
     bad = mismatches(run["results"], ref["results"])
     print(f"[bcg gpu] {bcg_name} vs {ref_name}: {run['bcg'][0]['replays']} replays, {len(bad)}/{NUM_PROMPTS} "
           f"prompts beyond tolerance, worst |d logprob| {worst_logprob_diff(run['results'], ref['results']):.4f} "
-          f"(atol {LOGPROB_ATOL})")
+          f"(atol {LOGPROB_ATOL}), fewest shared top-k {fewest_shared(run['results'], ref['results'])} "
+          f"(min {MIN_SHARED_TOP5})")
     assert bad == [], f"{len(bad)}/{NUM_PROMPTS} prompts differ from eager beyond tolerance: {bad[:20]}"
 
 
@@ -226,7 +234,8 @@ def test_stale_metadata_replay_fails_the_same_check(engines):
     _assert_bcg_ran(run)
     bad = mismatches(run["results"], ref["results"])
     print(f"[bcg gpu] stale-metadata control: {len(bad)}/{NUM_PROMPTS} prompts beyond tolerance, worst "
-          f"|d logprob| {worst_logprob_diff(run['results'], ref['results']):.4f}")
+          f"|d logprob| on shared top-k {worst_logprob_diff(run['results'], ref['results']):.4f}, fewest shared "
+          f"top-k {fewest_shared(run['results'], ref['results'])} (min {MIN_SHARED_TOP5})")
     assert len(bad) >= NUM_PROMPTS // 10, f"only {len(bad)} prompts differ: the check cannot see stale metadata"
 
 
