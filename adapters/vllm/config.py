@@ -49,6 +49,10 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         (getattr(parallel, "prefill_context_parallel_size", 1) > 1
          or getattr(parallel, "decode_context_parallel_size", 1) > 1, "context parallelism"),
         (bool(getattr(parallel, "enable_dbo", False)), "dual-batch overlap (micro-batching)"),
+        # vLLM itself turns every CUDA graph off for this all-to-all (its kernels cannot be captured).
+        (getattr(parallel, "data_parallel_size", 1) > 1 and bool(getattr(parallel, "enable_expert_parallel", False))
+         and getattr(parallel, "all2all_backend", None) == "deepep_high_throughput",
+         "the DeepEP high-throughput all-to-all (not CUDA-graph capturable)"),
         (getattr(model, "runner_type", "generate") != "generate", "pooling / non-generate runners"),
         (_flag(model, "is_encoder_decoder"), "encoder-decoder models"),
         (_flag(model, "is_multimodal_model"), "multimodal models"),

@@ -171,6 +171,8 @@ def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected):
     ({"enforce_eager": True}, "enforce_eager"),
     ({"lora_config": object()}, "LoRA"),
     ({"speculative_config": object()}, "speculative"),
+    ({"parallel_config": types.SimpleNamespace(data_parallel_size=2, enable_expert_parallel=True,
+                                               all2all_backend="deepep_high_throughput")}, "DeepEP high-throughput"),
 ])
 def test_unsupported_setups_log_one_line_and_change_nothing(model_config, caplog, extra, reason):
     from vllm.config import CompilationConfig
@@ -381,3 +383,14 @@ def test_worker_extension_resolves_and_reports_this_workers_runners(monkeypatch)
     (got,) = ext().bcg_stats()
     assert got["replays"] == 1 and got["replays_by_bucket"] == {"16": 1}
     assert got["fallbacks"] == {"over_top_bucket": 1} and got["padded_tokens"] == 6
+
+
+def test_dp_expert_parallel_is_served_with_capturable_all2all():
+    from bcg_adapters.vllm.config import unsupported_reason
+
+    def cfg(backend):
+        parallel = types.SimpleNamespace(data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend)
+        return types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False), parallel_config=parallel)
+
+    assert unsupported_reason(cfg("allgather_reducescatter")) is None
+    assert "DeepEP high-throughput" in unsupported_reason(cfg("deepep_high_throughput"))
