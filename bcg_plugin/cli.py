@@ -37,9 +37,13 @@ def _bench(argv: list[str]) -> int:
     ap.add_argument("--timeout", type=float, default=300, help="seconds per mode")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every mode this many times, alternating the order; report the per-N minimum")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every mode's engine")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel size (SGLang: DP attention, which needs --tp >= --dp); not for vLLM's offline engine")
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
-    path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout, a.rounds)
+    path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout,
+                       a.rounds, tp=a.tp, dp=a.dp)
     print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())  # written by render()
     return 0
 

@@ -36,7 +36,8 @@ def _line_count(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int) -> dict:
+def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int = 1,
+        dp: int = 1) -> dict:
     import sglang
 
     from bcg_plugin.bench.models import model_dir
@@ -54,6 +55,9 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         chunked_prefill_size=chunk,
         cuda_graph_backend_prefill=MODES[mode],
         log_level="warning",
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
     )
     init_s = time.perf_counter() - t0
     rng = random.Random(seed)
@@ -71,7 +75,8 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
                 engine.generate(input_ids=ids, sampling_params=params)
                 times.append((time.perf_counter() - s) * 1e3)
             e2e[str(n)] = statistics.median(times)
-            forwards = [r for r in _records(record, "forward", mark) if r["tokens"] == n]
+            # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
+            forwards = [r for r in _records(record, "forward", mark) if r["tokens"] == n and r.get("rank", 0) == 0]
             if forwards:
                 fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
                 fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)
@@ -90,6 +95,8 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         "prefill_runner": capture.get("runner"),
         "bcg_pool_gib": capture.get("bcg_pool_gib"),
         "chunked_prefill_size": chunk,
+        "tp_size": tp,
+        "dp_size": dp,
         "warmup": warmup,
         "iters": iters,
     }
@@ -104,9 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tp_size")
+    p.add_argument("--dp", type=int, default=1, help="dp_size, with DP attention (SGLang needs tp_size >= dp_size)")
     a = p.parse_args(argv)
     sizes = sorted({int(s) for s in a.sizes.split(",") if s.strip()})
-    result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed)
+    result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed, a.tp, a.dp)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("mode", "e2e_ms", "forward_ms", "init_s", "capture_s", "graph_mem_gib")}))
 

@@ -1,9 +1,10 @@
 """``bcg bench vllm|sglang``: every mode in its own process, one result file for the run.
 
 Each engine's per-mode script (``bcg_adapters.<engine>.bench``) takes ``--mode --model --sizes
---out`` and writes a JSON object with ``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``,
-``capture_s`` and ``graph_mem_gib``. This module runs the modes back to back, stamps the run
-(engine version, model shape, GPU, date) and writes ``<engine>-<model>-<UTC date and time>.{json,md,png}``.
+--out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with ``e2e_ms`` and ``forward_ms``
+(N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``. This module runs the modes back to back,
+stamps the run (engine version, model shape, parallel layout, GPU, date) and writes
+``<engine>-<model>[-tpN][-dpN]-<UTC date and time>.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -25,19 +26,24 @@ from bcg_plugin.bench.report import (
 
 ENGINES = {
     "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
-             "modes": ["eager", "native", "native_ladder", "compile", "bcg"]},
+             "modes": ["eager", "native", "native_ladder", "compile", "bcg"], "dp": False,
+             "dp_note": "vLLM's offline LLM runs one data-parallel rank per process (VLLM_DP_RANK ...)"},
     "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang",
-               "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
+               "modes": ["disabled", "native", "tc_piecewise", "bcg"], "dp": True, "dp_note": ""},
 }
 DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
 
 
-def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: float) -> dict:
+def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: float,
+             parallel: dict[str, int] | None = None) -> dict:
     spec = ENGINES[engine]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "mode.json"
         cmd = [sys.executable, "-m", spec["module"], "--mode", mode, "--model", model,
                "--sizes", ",".join(map(str, sizes)), "--out", str(out)]
+        for flag, size in (parallel or {}).items():
+            if size > 1:
+                cmd += [f"--{flag}", str(size)]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
@@ -68,11 +74,16 @@ def _merge_rounds(rounds: list[dict]) -> dict:
 
 
 def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float,
-        rounds: int = 1) -> Path:
+        rounds: int = 1, tp: int = 1, dp: int = 1) -> Path:
     spec = ENGINES[engine]
     unknown = [m for m in modes if m not in spec["modes"]]
     if unknown:
         raise SystemExit(f"unknown {engine} mode(s) {unknown}; choose from {spec['modes']}")
+    if tp < 1 or dp < 1:
+        raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
+    if dp > 1 and not spec["dp"]:
+        raise SystemExit(f"bcg bench {engine} has no --dp: {spec['dp_note']}")
+    parallel = {"tp": tp, "dp": dp}
     result = {
         "benchmark": "engine",
         "engine": engine,
@@ -81,6 +92,7 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         **{k: v for k, v in environment().items() if k in ("gpu", "date")},
         "env": environment(),
         "sizes": sizes,
+        "parallel": parallel,
         "rounds": rounds,
         "modes": {},
     }
@@ -91,15 +103,21 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         for mode in (modes if r % 2 == 0 else modes[::-1]):
             order.append(mode)
             print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}) ...", flush=True)
-            per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s))
+            per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s, parallel))
             print(f"[bcg bench] {engine} {mode}: {summary_line(per_mode[mode][-1])}", flush=True)
     result["order"] = order
     result["modes"] = {m: _merge_rounds(per_mode[m]) for m in modes}
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{engine}-{model}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
+    layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
+    path = out_dir / f"{engine}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
     path.write_text(json.dumps(result, indent=2))
     render(path)
     return path
+
+
+def _layout(result: dict) -> str:
+    names = {"tp": "tensor parallel", "dp": "data parallel"}
+    return "".join(f", {names[k]} {v}" for k, v in (result.get("parallel") or {}).items() if v > 1)
 
 
 BASELINE_MODE = {"vllm": "eager", "sglang": "disabled"}
@@ -140,7 +158,8 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     lines = [
         f"# {result['engine']} {result['engine_version']}: {result['model']['name']} (dummy weights, bf16)",
         "",
-        f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}. One request of N prompt tokens, "
+        f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}{_layout(result)}. "
+        "One request of N prompt tokens, "
         "one output token; every mode in its own process, same run"
         + (f", {result['rounds']} rounds in alternating order, per-N minimum." if result.get("rounds", 1) > 1 else "."),
         "",

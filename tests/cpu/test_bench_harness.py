@@ -9,7 +9,7 @@ from bcg_plugin.bench.report import run_stamp
 def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel):
         calls.append(mode)
         k = len(calls)
         if mode == "native" and k > 2:
@@ -37,6 +37,32 @@ def test_a_failing_mode_is_reported_not_fatal(tmp_path, monkeypatch):
     path = harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10)
     md = (tmp_path / path.name.replace(".json", ".md")).read_text()
     assert "Modes that failed: bcg (timed out after 10 s)" in md
+
+
+def test_parallel_layout_reaches_every_mode_and_names_the_result(tmp_path, monkeypatch):
+    import pytest
+
+    cmds = []
+
+    class Done:
+        returncode, stdout, stderr = 1, "", "no engine here"
+
+    def fake_subprocess_run(cmd, **kwargs):
+        cmds.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(harness.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("sglang", "qwen3-8b", [16], ["native", "bcg"], tmp_path, 10, tp=2)
+    assert all(c[-2:] == ["--tp", "2"] and "--dp" not in c for c in cmds) and len(cmds) == 2
+    result = json.loads(path.read_text())
+    assert result["parallel"] == {"tp": 2, "dp": 1}
+    assert path.name == f"sglang-qwen3-8b-tp2-{run_stamp(result['date'])}.json"
+    assert ", tensor parallel 2. " in (tmp_path / path.name.replace(".json", ".md")).read_text()
+    with pytest.raises(SystemExit, match="one data-parallel rank per process"):
+        harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10, dp=2)
+    with pytest.raises(SystemExit, match="must be >= 1"):
+        harness.run("sglang", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10, tp=0)
 
 
 def test_render_writes_report_and_three_plots(tmp_path):

@@ -394,3 +394,14 @@ def test_dp_expert_parallel_is_served_with_capturable_all2all():
 
     assert unsupported_reason(cfg("allgather_reducescatter")) is None
     assert "DeepEP high-throughput" in unsupported_reason(cfg("deepep_high_throughput"))
+
+
+@pytest.mark.parametrize("mode", ["eager", "native_ladder", "bcg"])
+def test_bench_engine_kwargs_are_vllm_engine_args(mode):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from bcg_adapters.vllm.bench import engine_kwargs
+    from bcg_adapters.vllm.rpc import WORKER_EXTENSION
+
+    args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
+    assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
