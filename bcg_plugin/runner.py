@@ -89,8 +89,10 @@ class PrefillGraphRunner:
             self.stats.buckets_captured = len(self._graphs)
             self.stats.graph_bytes = self._pool.reserved_bytes()
             logger.info(
-                "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s, graph memory %.3f GiB",
+                "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s (warm-up forwards %.2f s), "
+                "graph memory %.3f GiB",
                 len(self._graphs), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
+                self.stats.warmup_seconds,
                 self.stats.graph_bytes / 2**30,
             )
             return
@@ -133,8 +135,11 @@ class PrefillGraphRunner:
         views = {name: buf[:bucket] for name, buf in self._static.items()}
         forward = self._hook.bcg_body_forward
         with live.bound(live.LiveBatch(bucket, bucket, batch.payload)):
+            start = time.perf_counter()
             with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
                 warm = forward(inputs=views, payload=batch.payload)
+            stream.synchronize()  # timed to completion: a GPU-bound warm-up would bill the capture
+            self.stats.warmup_seconds += time.perf_counter() - start
             if self._output is None:
                 self._output = torch.empty((self.buckets[-1], *warm.shape[1:]), dtype=warm.dtype, device=self.device)
             del warm

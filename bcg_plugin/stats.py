@@ -31,6 +31,7 @@ class RuntimeStats:
     padded_tokens: int = 0
     buckets_captured: int = 0
     capture_seconds: float = 0.0
+    warmup_seconds: float = 0.0  # the part of capture_seconds spent in eager warm-up forwards
     graph_bytes: int = 0
 
     def record_replay(self, bucket: int, num_tokens: int) -> None:
@@ -51,6 +52,7 @@ class RuntimeStats:
             f"replays={sum(self.replays_by_bucket.values())} "
             f"fallbacks={dict(self.fallbacks) or 0} padding_waste={self.padding_waste:.1%} "
             f"buckets={self.buckets_captured} capture={self.capture_seconds:.2f}s "
+            f"(warmup={self.warmup_seconds:.2f}s) "
             f"graph_mem={self.graph_bytes / 2**30:.3f}GiB"
         )
 

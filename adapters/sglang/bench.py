@@ -94,6 +94,8 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         "graph_mem_gib": capture.get("memory_gib", 0.0),
         "prefill_runner": capture.get("runner"),
         "bcg_pool_gib": capture.get("bcg_pool_gib"),
+        "bcg_capture_s": capture.get("bcg_capture_s"),
+        "bcg_warmup_s": capture.get("bcg_warmup_s"),
         "chunked_prefill_size": chunk,
         "tp_size": tp,
         "dp_size": dp,

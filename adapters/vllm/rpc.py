@@ -35,6 +35,7 @@ def stats_dict(stats) -> dict:
         "padded_tokens": stats.padded_tokens,
         "buckets": stats.buckets_captured,
         "capture_seconds": stats.capture_seconds,
+        "warmup_seconds": stats.warmup_seconds,
         "graph_bytes": stats.graph_bytes,
         "summary": stats.summary(),
     }

@@ -118,6 +118,7 @@ def run(sizes: list[int], iters: int) -> dict:
     out["buckets"] = len(runner.buckets)
     out["capture_s"] = runner.stats.capture_seconds
     out["capture_s_per_bucket"] = runner.stats.capture_seconds / len(runner.buckets)
+    out["warmup_s"] = runner.stats.warmup_seconds
     out["bcg_graph_mem_gib"] = runner.graph_bytes / 2**30
     runner.close()
     out["host_cost"] = host_cost_per_break()

@@ -27,6 +27,7 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "seconds": float(getattr(result, "capture_time", 0.0) or 0.0),
         "bcg_pool_gib": core.graph_bytes / 2**30 if core is not None else None,
         "bcg_capture_s": core.stats.capture_seconds if core is not None else None,
+        "bcg_warmup_s": core.stats.warmup_seconds if core is not None else None,
     }
     append_bench_record(path, record)
     return None

@@ -120,6 +120,7 @@ def test_capture_a_b_then_replay_a_b_a_with_allocator_churn(model):
     adapter = ToyAdapter(model)
     runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=(256, 512)), chunk_size=TOP)
     runner.capture(progress=False)
+    assert 0 < runner.stats.warmup_seconds < runner.stats.capture_seconds
     rng = random.Random(7)
     try:
         cases = {b: make_case(model, adapter, rng, b) for b in (256, 512)}
