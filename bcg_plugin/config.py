@@ -16,6 +16,7 @@ from typing import Any
 from bcg_plugin.errors import BcgConfigError
 
 ENV_PREFIX = "BCG_"  # BCG_ENABLE=1, BCG_MAX_TOKENS=2048, BCG_SIZES=16,32,64 ...
+WARMUP_POLICIES = ("every_bucket", "first_bucket")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class BcgConfig:
             tail costs more than the launches a graph saves (pitfall 11). ``None``: always.
         capture_failure: ``"eager"`` keeps the engine serving eagerly (agreed by every rank) when a
             capture fails for a reason other than out-of-memory; ``"raise"`` fails the boot.
+        warmup: ``"every_bucket"`` runs one eager forward at each bucket's size before capturing
+            it, so lazy initialisation and per-shape autotuning stay out of every graph;
+            ``"first_bucket"`` warms up only the first (largest) bucket and captures the others
+            directly, retrying a bucket after its own warm-up if its direct capture fails.
     """
 
     enable: bool = False
@@ -40,6 +45,7 @@ class BcgConfig:
     sizes: tuple[int, ...] | None = None
     max_padding_ratio: float | None = None
     capture_failure: str = "eager"
+    warmup: str = "every_bucket"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None, *, source: str = "bcg config") -> BcgConfig:
@@ -73,6 +79,13 @@ class BcgConfig:
             if mode not in ("eager", "raise"):
                 raise BcgConfigError(f"{source}: 'capture_failure' must be \"eager\" or \"raise\", got {mode!r}")
             values["capture_failure"] = mode
+        if "warmup" in raw:
+            policy = raw["warmup"]
+            if policy not in WARMUP_POLICIES:
+                raise BcgConfigError(
+                    f"{source}: 'warmup' must be one of {', '.join(map(json.dumps, WARMUP_POLICIES))}, got {policy!r}"
+                )
+            values["warmup"] = policy
         cfg = cls(**values)
         if cfg.sizes is not None and cfg.max_tokens is not None and max(cfg.sizes) > cfg.max_tokens:
             too_big = [s for s in cfg.sizes if s > cfg.max_tokens]

@@ -24,6 +24,14 @@ from bcg_plugin.stats import Fallback, RuntimeStats
 logger = logging.getLogger("bcg_plugin")
 
 
+class _PeerCaptureFailure(Exception):
+    """Another rank's capture failed (``status``); this rank stops at the same bucket."""
+
+    def __init__(self, status: CaptureStatus) -> None:
+        super().__init__(status.name)
+        self.status = status
+
+
 class PrefillGraphRunner:
     """Engine-agnostic prefill/extend graphs keyed by padded token count.
 
@@ -76,6 +84,8 @@ class PrefillGraphRunner:
         start = time.perf_counter()
         try:
             self._capture_all(progress)
+        except _PeerCaptureFailure as e:
+            status = e.status
         except torch.OutOfMemoryError as e:
             status, error = CaptureStatus.OOM, e
         except Exception as e:
@@ -99,14 +109,15 @@ class PrefillGraphRunner:
         self.close()
         self._capture_failed = True
         if world is CaptureStatus.OOM:
-            where = "on this rank" if status is CaptureStatus.OOM else "on another rank"
+            where = "on this rank" if error is not None and status is CaptureStatus.OOM else "on another rank"
             raise BcgCaptureOOM(
                 f"out of memory {where} while capturing bcg prefill graphs up to {self.buckets[-1]} "
                 "tokens; lower bcg 'max_tokens' (or the engine's memory utilisation), or set "
                 "'max_tokens' to 0 to disable prefill graphs"
             ) from error
         if self.config.capture_failure == "raise":
-            raise BcgCaptureError(f"bcg prefill graph capture failed: {error!r}") from error
+            what = repr(error) if error is not None else "it failed on another rank"
+            raise BcgCaptureError(f"bcg prefill graph capture failed: {what}") from error
         if error is not None:
             traceback.clear_frames(error.__traceback__)
         logger.warning("bcg: prefill graph capture failed on at least one rank; every rank runs prefill eagerly")
@@ -123,11 +134,44 @@ class PrefillGraphRunner:
         self._pads = {name: spec.pad for name, spec in specs.items()}
         self._pool = GraphPool()
         stream = self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
-        for bucket in tqdm(sorted(self.buckets, reverse=True), desc="bcg capture", unit="bucket",
-                           disable=not progress, leave=False):
-            self._graphs[bucket] = self._capture_bucket(bucket, stream)
+        self._capture_buckets(stream, progress)
 
-    def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream) -> SegmentedGraph:
+    def _capture_buckets(self, stream: torch.cuda.Stream, progress: bool) -> None:
+        group = self._hook.bcg_world_group()
+        ordered = sorted(self.buckets, reverse=True)
+        for i, bucket in enumerate(tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress,
+                                        leave=False)):
+            warm = i == 0 or self.config.warmup == "every_bucket"
+            self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=warm)
+
+    def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool) -> SegmentedGraph:
+        """Capture one bucket, then agree on the outcome with every rank before the next one.
+
+        A warm-up runs the body's collectives eagerly, so no rank may start one that another rank
+        (stopped by a failure) will never join: every rank stops at the same bucket. A direct
+        capture (no warm-up) that failed on any rank is retried by every rank after a warm-up.
+        """
+        graph, status, error = None, CaptureStatus.OK, None
+        try:
+            graph = self._capture_bucket(bucket, stream, warm=warm)
+        except torch.OutOfMemoryError as e:
+            status, error = CaptureStatus.OOM, e
+        except Exception as e:
+            status, error = CaptureStatus.FAILED, e
+        world = agree_capture_status(status, group)
+        if world is CaptureStatus.OK:
+            return graph
+        if graph is not None:
+            graph.release()
+        if world is CaptureStatus.FAILED and not warm:
+            logger.info("bcg: bucket %d did not capture without a warm-up (%r on some rank); recapturing "
+                        "it after one", bucket, error)
+            return self._capture_agreed(bucket, stream, group, warm=True)
+        if error is not None:
+            raise error
+        raise _PeerCaptureFailure(world)
+
+    def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream, *, warm: bool = True) -> SegmentedGraph:
         batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
@@ -135,19 +179,25 @@ class PrefillGraphRunner:
         views = {name: buf[:bucket] for name, buf in self._static.items()}
         forward = self._hook.bcg_body_forward
         with live.bound(live.LiveBatch(bucket, bucket, batch.payload)):
-            start = time.perf_counter()
-            with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
-                warm = forward(inputs=views, payload=batch.payload)
-            stream.synchronize()  # timed to completion: a GPU-bound warm-up would bill the capture
-            self.stats.warmup_seconds += time.perf_counter() - start
-            if self._output is None:
-                self._output = torch.empty((self.buckets[-1], *warm.shape[1:]), dtype=warm.dtype, device=self.device)
-            del warm
+            if warm:
+                self._warm_up(forward, views, batch, stream)
+            elif self._output is None:
+                raise BcgStateError("the first bucket must be captured after a warm-up (it sizes the output)")
             out = self._output[:bucket]
             graph, _ = capture_segments(
                 lambda: out.copy_(forward(inputs=views, payload=batch.payload)), pool=self._pool, stream=stream
             )
         return graph
+
+    def _warm_up(self, forward: Any, views: dict[str, torch.Tensor], batch: HostBatch,
+                 stream: torch.cuda.Stream) -> None:
+        start = time.perf_counter()
+        with torch.cuda.stream(stream):  # lazy inits and autotuning stay out of the graph
+            warm = forward(inputs=views, payload=batch.payload)
+        stream.synchronize()  # timed to completion: a GPU-bound warm-up would bill the capture
+        self.stats.warmup_seconds += time.perf_counter() - start
+        if self._output is None:
+            self._output = torch.empty((self.buckets[-1], *warm.shape[1:]), dtype=warm.dtype, device=self.device)
 
     # -- replay --------------------------------------------------------------------------------
 

@@ -104,6 +104,16 @@ class Timers:
         return start.elapsed_time(end), host_ms
 
 
+def bench_bcg_config(environ: dict | None = None) -> dict:
+    """The ``bcg`` mode's config: enabled, plus any key set as a ``BCG_*`` variable (as SGLang reads them)."""
+    from bcg_plugin.config import ENV_PREFIX, BcgConfig
+
+    env = os.environ if environ is None else environ
+    chosen = BcgConfig.from_env(env)
+    keys = [k for k in (chosen.to_dict() if chosen else {}) if ENV_PREFIX + k.upper() in env]
+    return {**{k: chosen.to_dict()[k] for k in keys}, "enable": True}
+
+
 def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1) -> dict:
     from bcg_adapters.vllm.rpc import WORKER_EXTENSION
     from bcg_plugin.bench.models import model_dir
@@ -120,7 +130,7 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1) -> dict:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
                                         "max_cudagraph_capture_size": chunk}
     elif mode == "bcg":
-        kwargs["additional_config"] = {"bcg": {"enable": True}}
+        kwargs["additional_config"] = {"bcg": bench_bcg_config()}
     return kwargs
 
 
@@ -172,6 +182,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1"
     if mode == "bcg":
+        result["bcg_config"] = bench_bcg_config()
         result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
     return result
 

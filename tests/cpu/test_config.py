@@ -30,6 +30,7 @@ def test_valid_config_round_trip():
         ({"enable": "maybe"}, "enable"),
         ({"max_padding_ratio": 0.5}, "max_padding_ratio"),
         ({"capture_failure": "ignore"}, "capture_failure"),
+        ({"warmup": "never"}, "warmup"),
         ({"max_token": 16}, "max_token"),
     ],
 )

@@ -110,6 +110,71 @@ def test_injected_failure_on_one_rank_leaves_every_rank_eager(tmp_path):
         assert fallbacks == {Fallback.CAPTURE_FAILED.value: 1}
 
 
+class _FakeGraph:
+    def __init__(self, log, bucket):
+        self.log, self.bucket = log, bucket
+
+    def release(self):
+        self.log.append(("released", self.bucket))
+
+
+class _FakePool:
+    def reserved_bytes(self):
+        return 0
+
+
+def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
+    """Run the real per-bucket capture loop with a scripted ``_capture_bucket``; return what happened.
+
+    ``fail_when``: ``"always"`` or ``"direct"`` (only a capture without a warm-up fails).
+    """
+    runner = PrefillGraphRunner(plugin_manager(_InjectedFailure(rank, failing_rank)),
+                                BcgConfig(enable=True, sizes=(16, 32, 64), **config), chunk_size=64, device="cpu")
+    log = []
+
+    def capture_bucket(bucket, stream, *, warm=True):
+        log.append((bucket, warm))
+        if rank == failing_rank and bucket == fail_bucket and (fail_when == "always" or not warm):
+            raise error
+        return _FakeGraph(log, bucket)
+
+    def capture_all(progress):  # the real loop, without CUDA buffers, pool or stream
+        runner._pool = _FakePool()
+        runner._capture_buckets(None, progress)
+
+    runner._capture_bucket, runner._capture_all = capture_bucket, capture_all
+    try:
+        runner.capture(progress=False)
+        outcome = "captured" if runner.captured else "eager"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    return [outcome, log]
+
+
+def test_failure_on_one_rank_stops_every_rank_at_that_bucket(tmp_path):
+    # Rank 1 fails bucket 32; rank 0 must not go on to warm up bucket 16 (its collectives would hang).
+    results = _run(2, _capture_script, tmp_path, 1, 32, "always", RuntimeError("injected"), {})
+    expected_log = [(64, True), (32, True), ("released", 32), ("released", 64)]
+    assert results[0] == ["eager", expected_log]
+    assert results[1] == ["eager", [(64, True), (32, True), ("released", 64)]]
+
+
+def test_oom_on_one_rank_names_the_other_rank_everywhere_else(tmp_path):
+    oom = torch.OutOfMemoryError("injected")
+    results = _run(2, _capture_script, tmp_path, 1, 32, "always", oom, {})
+    assert results[0][0].startswith("BcgCaptureOOM: out of memory on another rank")
+    assert results[1][0].startswith("BcgCaptureOOM: out of memory on this rank")
+    assert [b for b, *_ in results[0][1] if b != "released"] == [64, 32]  # nobody went on to bucket 16
+
+
+def test_direct_capture_failing_on_one_rank_is_retried_after_a_warm_up_by_every_rank(tmp_path):
+    results = _run(2, _capture_script, tmp_path, 1, 32, "direct", RuntimeError("lazy init"),
+                   {"warmup": "first_bucket"})
+    calls = [(64, True), (32, False), (32, True), (16, False)]
+    assert results[0] == ["captured", calls[:2] + [("released", 32)] + calls[2:]]
+    assert results[1] == ["captured", calls]
+
+
 def test_dp_bucket_pure():
     assert dp_bucket(LADDER, [5, 17], True) == 32
     assert dp_bucket(LADDER, [5, 17], False) is None

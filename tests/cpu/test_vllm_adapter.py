@@ -405,3 +405,11 @@ def test_bench_engine_kwargs_are_vllm_engine_args(mode):
 
     args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
     assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
+
+
+def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
+    from bcg_adapters.vllm.bench import bench_bcg_config
+
+    assert bench_bcg_config({}) == {"enable": True}
+    assert bench_bcg_config({"BCG_WARMUP": "first_bucket", "BCG_MAX_TOKENS": "1024"}) == {
+        "enable": True, "warmup": "first_bucket", "max_tokens": 1024}
