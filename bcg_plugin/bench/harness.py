@@ -178,9 +178,14 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
             for n in sizes}
         lines += ["## End-to-end ratios (below 1: bcg faster)", "", *_table(sizes, ratios, digits=3), ""]
     lines += targets.markdown(result["engine"], good)
-    lines += ["| mode | init s | capture s | graph memory GiB |", "|---|---|---|---|"]
+    split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
+    extra = " | of which torch's allocator GiB" if split else ""
+    lines += [f"| mode | init s | capture s | graph memory GiB{extra} |", "|---|---|---|---|" + "---|" * split]
     for m, d in good.items():
-        lines.append(f"| {m} | {_fmt(d.get('init_s'))} | {_fmt(d.get('capture_s'))} | {_fmt(d.get('graph_mem_gib'), 3)} |")
+        cells = [_fmt(d.get("init_s")), _fmt(d.get("capture_s")), _fmt(d.get("graph_mem_gib"), 3)]
+        if split:
+            cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + [f"![{name}]({name})" for name in images]
     failed = {m: d for m, d in modes.items() if "error" in d}
     if failed:
