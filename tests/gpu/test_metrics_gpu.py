@@ -63,13 +63,19 @@ def _metric(text: str, name: str) -> float:
     return value
 
 
-def _server_dependencies(*modules: str) -> None:
-    """Engine installs without the HTTP server's packages (slim or offline copies) cannot serve."""
-    import importlib.util
+def _server_importable(module: str) -> None:
+    """Engine installs without the HTTP server's packages (slim or offline copies) cannot serve:
+    import the server module in a fresh interpreter and skip, naming the missing package, if it
+    lacks one. Any other import error fails the test."""
+    import re
 
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        return
+    missing = re.findall(r"ModuleNotFoundError: No module named '([^']+)'", proc.stderr)
     if missing:
-        pytest.skip(f"the host's HTTP server needs {', '.join(missing)}, which this environment lacks")
+        pytest.skip(f"{module} needs {missing[-1]!r}, which this environment lacks")
+    raise AssertionError(f"{module} does not import:\n{proc.stderr[-4000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -82,7 +88,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def test_sglang_metrics_show_bcg_replays():
     pytest.importorskip("sglang")
-    _server_dependencies("jsonschema", "uvicorn")
+    _server_importable("sglang.srt.entrypoints.http_server")
     port = _free_port()
     env = {**os.environ, "BCG_STATS_INTERVAL_S": "1"}
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir("qwen3-0.6b")),
@@ -108,7 +114,7 @@ def test_sglang_metrics_show_bcg_replays():
 
 def test_vllm_metrics_show_bcg_replays():
     pytest.importorskip("vllm")
-    _server_dependencies("uvicorn")
+    _server_importable("vllm.entrypoints.openai.api_server")
     port = _free_port()
     # Counters made in vLLM's engine process reach the API server's /metrics through
     # prometheus_client's multiprocess mode.
