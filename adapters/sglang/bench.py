@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bcg_adapters.sglang import settings
+from bcg_plugin.bench.order import interleaved
 
 MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
 
@@ -62,29 +63,32 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
     init_s = time.perf_counter() - t0
     rng = random.Random(seed)
     params = {"max_new_tokens": 1, "temperature": 0.0}
-    e2e, fwd, fwd_host = {}, {}, {}
+    prompts = {n: [rng.randrange(100, 150000) for _ in range(n)] for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     try:
         for n in sizes:
-            ids = [rng.randrange(100, 150000) for _ in range(n)]
             for _ in range(warmup):
-                engine.generate(input_ids=ids, sampling_params=params)
-            mark = _line_count(record)
-            times = []
-            for _ in range(iters):
-                s = time.perf_counter()
-                engine.generate(input_ids=ids, sampling_params=params)
-                times.append((time.perf_counter() - s) * 1e3)
-            e2e[str(n)] = statistics.median(times)
-            # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
-            forwards = [r for r in _records(record, "forward", mark) if r["tokens"] == n and r.get("rank", 0) == 0]
-            if forwards:
-                fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
-                fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)
+                engine.generate(input_ids=prompts[n], sampling_params=params)
+        mark = _line_count(record)
+        for n in interleaved(sizes, iters):
+            s = time.perf_counter()
+            engine.generate(input_ids=prompts[n], sampling_params=params)
+            times[n].append((time.perf_counter() - s) * 1e3)
+        # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
+        measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
     finally:
         engine.shutdown()
+    e2e = {str(n): statistics.median(times[n]) for n in sizes}
+    fwd, fwd_host = {}, {}
+    for n in sizes:
+        forwards = [r for r in measured if r["tokens"] == n]
+        if forwards:
+            fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
+            fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)
     capture = (_records(record, "capture") or [{}])[-1]
     return {
         "mode": mode,
+        "size_order": "interleaved",
         "prefill_backend_flag": MODES[mode],
         "e2e_ms": e2e,
         "forward_ms": fwd,

@@ -25,6 +25,8 @@ import statistics
 import time
 from pathlib import Path
 
+from bcg_plugin.bench.order import interleaved
+
 MODES = ("eager", "native", "native_ladder", "compile", "bcg")
 
 
@@ -153,29 +155,31 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
-    e2e, fwd, fwd_host = {}, {}, {}
+    times, forwards, hosts = ({n: [] for n in sizes} for _ in range(3))
+
+    def generate(n: int) -> tuple[float, tuple[float, float] | None]:
+        prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
+        timers.forwards.clear()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return (time.perf_counter() - t0) * 1e3, timers.last_forward()
+
     for n in sizes:
-        times, forwards, hosts = [], [], []
-        for i in range(warmup + reps):
-            prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
-            timers.forwards.clear()
-            t0 = time.perf_counter()
-            llm.generate([prompt], params, use_tqdm=False)
-            elapsed = (time.perf_counter() - t0) * 1e3
-            f = timers.last_forward()
-            if i >= warmup:
-                times.append(elapsed)
-                if f is not None:
-                    device_ms, host_ms = f
-                    forwards.append(device_ms)
-                    hosts.append(host_ms)
-        e2e[str(n)] = statistics.median(times)
-        if forwards:
-            fwd[str(n)] = statistics.median(forwards)
-            fwd_host[str(n)] = statistics.median(hosts)
+        for _ in range(warmup):
+            generate(n)
+    for n in interleaved(sizes, reps):
+        elapsed, f = generate(n)
+        times[n].append(elapsed)
+        if f is not None:
+            forwards[n].append(f[0])
+            hosts[n].append(f[1])
+    e2e = {str(n): statistics.median(times[n]) for n in sizes}
+    fwd = {str(n): statistics.median(forwards[n]) for n in sizes if forwards[n]}
+    fwd_host = {str(n): statistics.median(hosts[n]) for n in sizes if hosts[n]}
+    for n in sizes:
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
-    result = {"mode": mode, "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp}
+    result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp}
     if tp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30)

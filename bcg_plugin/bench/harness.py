@@ -161,6 +161,8 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
         f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}{_layout(result)}. "
         "One request of N prompt tokens, "
         "one output token; every mode in its own process, same run"
+        + (", sizes interleaved within each mode" if any(d.get("size_order") == "interleaved"
+                                                        for d in result["modes"].values()) else "")
         + (f", {result['rounds']} rounds in alternating order, per-N minimum." if result.get("rounds", 1) > 1 else "."),
         "",
     ]
