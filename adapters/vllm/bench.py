@@ -112,8 +112,8 @@ def bench_bcg_config(environ: dict | None = None) -> dict:
 
     env = os.environ if environ is None else environ
     chosen = BcgConfig.from_env(env)
-    keys = [k for k in (chosen.to_dict() if chosen else {}) if ENV_PREFIX + k.upper() in env]
-    return {**{k: chosen.to_dict()[k] for k in keys}, "enable": True}
+    values = chosen.to_dict() if chosen is not None else {}
+    return {**{k: v for k, v in values.items() if ENV_PREFIX + k.upper() in env}, "enable": True}
 
 
 def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1) -> dict:
@@ -150,7 +150,8 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     timers.install()
 
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(mode, model, sizes, tp))
+    kwargs = engine_kwargs(mode, model, sizes, tp)
+    llm = LLM(**kwargs)
     init_s = time.perf_counter() - start
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -186,7 +187,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1"
     if mode == "bcg":
-        result["bcg_config"] = bench_bcg_config()
+        result["bcg_config"] = kwargs["additional_config"]["bcg"]
         result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
     return result
 

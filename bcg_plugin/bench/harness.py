@@ -26,10 +26,10 @@ from bcg_plugin.bench.report import (
 
 ENGINES = {
     "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
-             "modes": ["eager", "native", "native_ladder", "compile", "bcg"], "dp": False,
-             "dp_note": "vLLM's offline LLM runs one data-parallel rank per process (VLLM_DP_RANK ...)"},
+             "modes": ["eager", "native", "native_ladder", "compile", "bcg"],
+             "no_dp": "vLLM's offline LLM runs one data-parallel rank per process (VLLM_DP_RANK ...)"},
     "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang",
-               "modes": ["disabled", "native", "tc_piecewise", "bcg"], "dp": True, "dp_note": ""},
+               "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
 }
 DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
 
@@ -81,8 +81,8 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         raise SystemExit(f"unknown {engine} mode(s) {unknown}; choose from {spec['modes']}")
     if tp < 1 or dp < 1:
         raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
-    if dp > 1 and not spec["dp"]:
-        raise SystemExit(f"bcg bench {engine} has no --dp: {spec['dp_note']}")
+    if dp > 1 and "no_dp" in spec:
+        raise SystemExit(f"bcg bench {engine} has no --dp: {spec['no_dp']}")
     parallel = {"tp": tp, "dp": dp}
     result = {
         "benchmark": "engine",
