@@ -164,8 +164,8 @@ class PrefillGraphRunner:
         if graph is not None:
             graph.release()
         if world is CaptureStatus.FAILED and not warm:
-            logger.info("bcg: bucket %d did not capture without a warm-up (%r on some rank); recapturing "
-                        "it after one", bucket, error)
+            logger.info("bcg: bucket %d did not capture without a warm-up (%s); recapturing it after one",
+                        bucket, repr(error) if error is not None else "on another rank")
             return self._capture_agreed(bucket, stream, group, warm=True)
         if error is not None:
             raise error
