@@ -92,6 +92,20 @@ def bcg_attention(
         output[n : batch.num_tokens].zero_()
 
 
+def captured_then_break(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                        output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """What RadixAttention's breakable op becomes under bcg's capture: key and value made
+    contiguous inside the captured segment, then the eager break.
+
+    They arrive as strided views of the fused QKV projection, and the extend backends copy them
+    to contiguous tensors on every call: two launches per layer at every replay, which the
+    segment now does instead (the backend's own ``contiguous()`` is then a no-op).
+    """
+    key = None if key is None else key.contiguous()
+    value = None if value is None else value.contiguous()
+    return bcg_attention(query, key, value, output, *args, **kwargs)
+
+
 def _real_rows(fb: Any, landed: int) -> int:
     real = getattr(fb, "num_token_non_padded_cpu", None)
     return landed if real is None else min(int(real), landed)

@@ -20,7 +20,7 @@ def around_breakable_attention(original_fn, *args, **kwargs):
     from bcg_adapters.sglang import attention
 
     if attention.capturing():
-        return attention.bcg_attention(*args, **kwargs)
+        return attention.captured_then_break(*args, **kwargs)
     return original_fn(*args, **kwargs)
 
 

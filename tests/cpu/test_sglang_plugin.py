@@ -334,3 +334,19 @@ def test_cli_and_engine_flag_enable_bcg(scenario, request):
     assert out["engine_kwargs"] == {"flag": None, "env": "1"}
     assert out["cli_decode_bcg"]["error"] == "BcgConfigError" and "prefill" in out["cli_decode_bcg"]["message"]
     assert out["cli_bad_sizes"]["error"] == "BcgConfigError" and "'sizes'" in out["cli_bad_sizes"]["message"]
+
+
+def test_key_and_value_reach_the_break_contiguous(monkeypatch):
+    import torch
+
+    from bcg_adapters.sglang import attention
+
+    seen = {}
+    monkeypatch.setattr(attention, "bcg_attention", lambda q, k, v, out, *a, **kw: seen.update(k=k, v=v, rest=(a, kw)))
+    qkv = torch.arange(4 * 12, dtype=torch.float32).view(4, 12)
+    q, k, v = qkv.split([4, 4, 4], dim=-1)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    attention.captured_then_break(q, k, v, torch.empty(4, 4), True, 3, key_value_num_tokens=None)
+    assert seen["k"].is_contiguous() and seen["v"].is_contiguous()
+    assert torch.equal(seen["k"], k) and torch.equal(seen["v"], v)
+    assert seen["rest"] == ((True, 3), {"key_value_num_tokens": None})
