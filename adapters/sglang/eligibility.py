@@ -44,8 +44,16 @@ def runner_reason(model_runner: Any) -> str | None:
 
 
 def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
-    """Why the collected layers are not bcg-capturable (checked once SGLang collected them)."""
-    for name in ("moe_layers", "dsa_indexers", "mha_companion_layers"):
+    """Why the collected layers are not bcg-capturable (checked once SGLang collected them).
+
+    MoE layers are captured inside the segments like any other layer (their collectives included,
+    so every rank replays in lockstep), except with an all-to-all MoE backend: SGLang runs that
+    dispatch as an eager node of its own breakable graphs, a break bcg does not own.
+    """
+    a2a = getattr(model_runner.server_args, "moe_a2a_backend", "none")
+    if a2a not in (None, "none") and any(x is not None for x in getattr(model_runner, "moe_layers", None) or ()):
+        return f"MoE all-to-all backend {a2a!r} (its dispatch is a break bcg does not own)"
+    for name in ("dsa_indexers", "mha_companion_layers"):
         if any(x is not None for x in getattr(model_runner, name, None) or ()):
             return f"model has {name.replace('_', ' ')} (breaks bcg does not own)"
     params = list(inspect.signature(layer_model.forward).parameters)

@@ -162,10 +162,17 @@ def test_layers_reason_rejects_what_bcg_does_not_capture():
         def forward(self, hidden_states, forward_batch):
             return None
 
-    dense = types.SimpleNamespace(moe_layers=[None] * 2, dsa_indexers=None, mha_companion_layers=[None, None])
+    args = types.SimpleNamespace(moe_a2a_backend="none")
+    dense = types.SimpleNamespace(server_args=args, moe_layers=[None] * 2, dsa_indexers=None,
+                                  mha_companion_layers=[None, None])
     assert eligibility.layers_reason(dense, Body()) is None
-    moe = types.SimpleNamespace(moe_layers=[None, object()], dsa_indexers=None, mha_companion_layers=None)
-    assert "moe layers" in eligibility.layers_reason(moe, Body())
+    moe = types.SimpleNamespace(server_args=args, moe_layers=[None, object()], dsa_indexers=None,
+                                mha_companion_layers=None)
+    assert eligibility.layers_reason(moe, Body()) is None  # captured inside the segments
+    moe_a2a = types.SimpleNamespace(**{**vars(moe), "server_args": types.SimpleNamespace(moe_a2a_backend="deepep")})
+    assert "all-to-all backend 'deepep'" in eligibility.layers_reason(moe_a2a, Body())
+    dsa = types.SimpleNamespace(**{**vars(dense), "dsa_indexers": [object()]})
+    assert "dsa indexers" in eligibility.layers_reason(dsa, Body())
     assert "is not (input_ids, positions, forward_batch" in eligibility.layers_reason(dense, OtherSignature())
 
 
