@@ -1,8 +1,27 @@
+import os
+import re
+
 import pytest
 import torch
 
+SOAK_ENV = "BCG_SOAK_SECONDS"
+
+
+def soak_requested(markexpr: str, environ) -> bool:
+    """Tests marked ``soak`` run only when asked for: ``BCG_SOAK_SECONDS`` set, or ``soak`` named
+    (not negated) in the ``-m`` expression. ``-m gpu`` alone does not run them."""
+    if (environ.get(SOAK_ENV) or "").strip():
+        return True
+    words = re.findall(r"\w+", markexpr or "")
+    return any(w == "soak" and (i == 0 or words[i - 1] != "not") for i, w in enumerate(words))
+
 
 def pytest_collection_modifyitems(config, items):
+    if not soak_requested(config.getoption("markexpr", ""), os.environ):
+        skip_soak = pytest.mark.skip(reason=f"soak test: runs with -m soak or {SOAK_ENV} set (README: GPU tests)")
+        for item in items:
+            if item.get_closest_marker("soak") is not None:
+                item.add_marker(skip_soak)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; run on the GPU host (README: GPU tests)")

@@ -1,9 +1,10 @@
 """Bench-only: ``ModelRunner.forward`` timed with CUDA events for extend forwards.
 
 Installed only when ``BCG_BENCH_RECORD`` names a file (the benchmark script sets it for its own
-engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph"}``
-to it (``host_ms``: host time spent issuing the forward). The synchronisation it adds makes it unfit
-for serving.
+engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph",
+"across_dp"}`` to it (``host_ms``: host time spent issuing the forward; ``across_dp``: SGLang's
+replicated per-DP-rank token counts, ``None`` without DP attention). The synchronisation it adds
+makes it unfit for serving.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     if not path or not forward_batch.forward_mode.is_extend():
         return original_fn(self, forward_batch, *args, **kwargs)
     tokens = len(forward_batch.input_ids)
+    across = getattr(forward_batch, "global_num_tokens_cpu", None)  # read before the forward pads it
+    across_dp = [int(n) for n in across] if across is not None else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     t0 = time.perf_counter()
@@ -33,7 +36,7 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     end.synchronize()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end), "host_ms": host_ms,
-              "rank": rank, "graph": bool(getattr(out, "can_run_graph", False))}
+              "rank": rank, "graph": bool(getattr(out, "can_run_graph", False)), "across_dp": across_dp}
     append_bench_record(path, record)
     return out
 
