@@ -15,7 +15,7 @@ def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
         if mode == "native" and k > 2:
             return {"error": "exit code 1", "log_tail": "boom"}
         return {"e2e_ms": {str(n): float(n + k) for n in sizes}, "forward_ms": {str(n): float(k) for n in sizes},
-                "init_s": 1.0, "capture_s": 2.0, "graph_mem_gib": 0.5}
+                "init_s": 1.0 + k, "capture_s": 5.0 - k, "graph_mem_gib": 0.5 * k}
 
     monkeypatch.setattr(harness, "run_mode", fake_run_mode)
     monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
@@ -27,7 +27,11 @@ def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     assert result["modes"]["bcg"]["e2e_ms"] == {"16": 17.0, "64": 65.0}  # round 1 (k=1) beats round 2 (k=4)
     assert result["modes"]["native"]["e2e_ms"] == {"16": 18.0, "64": 66.0}  # the failed round is skipped
     assert len(result["modes"]["native"]["rounds"]) == 2
+    # durations are minima over rounds, each on its own; memory comes from the first good round
+    assert (result["modes"]["bcg"]["init_s"], result["modes"]["bcg"]["capture_s"]) == (2.0, 1.0)
+    assert result["modes"]["bcg"]["graph_mem_gib"] == 0.5
     md = (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert "capture seconds are each mode's minimum over rounds" in md
     assert "2 rounds in alternating order" in md and "| 16 | 17.00 | 18.00 |" in md
 
 

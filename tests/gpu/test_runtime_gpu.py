@@ -45,9 +45,10 @@ def model():
     torch.cuda.empty_cache()
 
 
-@pytest.fixture(scope="module")
-def ladder_runner(model):
-    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), BcgConfig(enable=True), chunk_size=TOP)
+@pytest.fixture(scope="module", params=["every_bucket", "first_bucket"])
+def ladder_runner(model, request):
+    config = BcgConfig(enable=True, warmup=request.param)
+    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), config, chunk_size=TOP)
     runner.capture(progress=False)
     assert runner.captured and len(runner.buckets) == 40
     yield runner
