@@ -97,9 +97,10 @@ def test_sglang_metrics_show_bcg_replays():
            "--mem-fraction-static", "0.5", "--host", "127.0.0.1", "--port", str(port)]
     proc = _serve(cmd, env, f"http://127.0.0.1:{port}/health")
     try:
-        for n in (16, 300, 1500):
+        for i, n in enumerate((16, 300, 1500)):  # no shared prefix: a radix-cache hit would shorten the prefill
+            start = 100 + 2000 * i
             _post(f"http://127.0.0.1:{port}/generate",
-                  {"input_ids": list(range(100, 100 + n)), "sampling_params": {"max_new_tokens": 1}})
+                  {"input_ids": list(range(start, start + n)), "sampling_params": {"max_new_tokens": 1}})
         time.sleep(2)  # the reporter refreshes counters at most once per second
         _post(f"http://127.0.0.1:{port}/generate", {"input_ids": [5] * 20, "sampling_params": {"max_new_tokens": 1}})
         text = _get(f"http://127.0.0.1:{port}/metrics")

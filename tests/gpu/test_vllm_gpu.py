@@ -42,7 +42,8 @@ LOGPROB_ATOL = 0.25
 MIN_SHARED_TOP5 = 3
 NUM_PROMPTS, FIRST_WAVE, MAX_LEN, CHUNK, TOP_K = 200, 180, 8192, 2048, 5
 LADDER_BUCKETS = 40  # the core ladder up to CHUNK=2048
-# Multi-GPU runs of the same check: BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b (needs TP GPUs).
+# Multi-GPU runs of the same check: BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b (needs TP GPUs). Config keys
+# for the bcg engines come from BCG_* variables as in the bench (e.g. BCG_WARMUP=first_bucket).
 TP = int(os.environ.get("BCG_TEST_TP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 ENGINE_TIMEOUT_S = 240
@@ -106,7 +107,9 @@ def run_engine(name: str, out: Path) -> None:
         tensor_parallel_size=TP, worker_extension_cls=WORKER_EXTENSION,
     )
     if spec["bcg"]:
-        kwargs["additional_config"] = {"bcg": {"enable": True}}
+        from bcg_adapters.vllm.bench import bench_bcg_config
+
+        kwargs["additional_config"] = {"bcg": bench_bcg_config()}  # enabled, plus any BCG_* key set
     else:
         kwargs["enforce_eager"] = True
     llm = LLM(**kwargs)
