@@ -39,7 +39,8 @@ def _bench(argv: list[str]) -> int:
                     help="run every mode this many times, alternating the order; report the per-N minimum")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every mode's engine")
     ap.add_argument("--dp", type=int, default=1,
-                    help="data-parallel size (SGLang: DP attention, which needs --tp >= --dp); not for vLLM's offline engine")
+                    help="data-parallel size (SGLang: DP attention, which needs --tp >= --dp; "
+                         "vLLM: one process per DP rank, MoE models only)")
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
     path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout,

@@ -12,6 +12,13 @@ forward, which tells a launch-bound forward (host ~ device time) from a GPU-boun
 pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
+
+``--dp N`` (MoE models: vLLM's offline data parallelism serves no dense model) starts one process
+per DP rank with vLLM's ``VLLM_DP_*`` variables and expert parallelism. A rank's engine loop starts
+only when its own process sends a request, so the ranks move in step (:mod:`bcg_plugin.bench.ranks`):
+at every measurement rank 0 sends the N-token request it times and every other rank a one-token
+request, which vLLM pads to rank 0's size. Rank 0 writes the result. The engines then run in their
+own processes, so only the end-to-end figures are recorded, as at tensor parallelism above 1.
 """
 
 from __future__ import annotations
@@ -21,18 +28,23 @@ import contextlib
 import json
 import os
 import random
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 from bcg_plugin.bench.order import interleaved
+from bcg_plugin.bench.ranks import FileBarrier
 
 MODES = ("eager", "native", "native_ladder", "compile", "bcg")
 
 
-def _env_for(mode: str) -> None:
+def _env_for(mode: str, in_process: bool = True) -> None:
     # Must happen before vLLM is imported: the breakable-graph decorator is decided at import.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     if mode in ("native", "native_ladder"):
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
     else:
@@ -116,7 +128,7 @@ def bench_bcg_config(environ: dict | None = None) -> dict:
     return {**{k: v for k, v in values.items() if ENV_PREFIX + k.upper() in env}, "enable": True}
 
 
-def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1) -> dict:
+def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int = 1) -> dict:
     from bcg_adapters.vllm.rpc import WORKER_EXTENSION
     from bcg_plugin.bench.models import model_dir
     from bcg_plugin.ladder import reference_ladder
@@ -126,6 +138,8 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1) -> dict:
                   max_model_len=chunk + 64, max_num_batched_tokens=chunk, max_num_seqs=16, seed=0,
                   enable_prefix_caching=False, gpu_memory_utilization=0.5,
                   tensor_parallel_size=tp, worker_extension_cls=WORKER_EXTENSION)
+    if dp > 1:  # the experts spread over the DP ranks: their dispatch is a collective of all of them
+        kwargs["enable_expert_parallel"] = True
     if mode == "eager":
         kwargs["enforce_eager"] = True
     elif mode == "native_ladder":
@@ -136,8 +150,9 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1) -> dict:
     return kwargs
 
 
-def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int = 1) -> dict:
-    _env_for(mode)
+def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int = 1,
+        dp: int = 1, dp_rank: int = 0, barrier_dir: str | None = None) -> dict:
+    _env_for(mode, in_process=dp == 1)
     from vllm import LLM, SamplingParams
 
     if mode == "bcg":
@@ -150,15 +165,19 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     timers.install()
 
     start = time.perf_counter()
-    kwargs = engine_kwargs(mode, model, sizes, tp)
+    kwargs = engine_kwargs(mode, model, sizes, tp, dp)
     llm = LLM(**kwargs)
     init_s = time.perf_counter() - start
+    barrier = FileBarrier(barrier_dir, dp_rank, dp) if dp > 1 else None
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
     times, forwards, hosts = ({n: [] for n in sizes} for _ in range(3))
 
     def generate(n: int) -> tuple[float, tuple[float, float] | None]:
+        if barrier is not None:
+            barrier.wait()
+            n = n if dp_rank == 0 else 1
         prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
         timers.forwards.clear()
         t0 = time.perf_counter()
@@ -180,16 +199,35 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     for n in sizes:
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
-    result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp}
-    if tp == 1:
+    result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp,
+              "data_parallel_size": dp}
+    if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30)
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
-        result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1"
+        result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
     if mode == "bcg":
         result["bcg_config"] = kwargs["additional_config"]["bcg"]
         result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
+    if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective
+        barrier.wait()
     return result
+
+
+def launch_dp_ranks(argv: list[str], dp: int) -> int:
+    """Run this script once per DP rank (``argv`` plus the rank); the exit code of the first
+    rank that failed, else 0. Rank 0 writes ``--out``."""
+    with socket.socket() as s:  # a free port for the DP group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    barrier_dir = tempfile.mkdtemp(prefix="bcg-bench-dp-")
+    env = {**os.environ, "VLLM_DP_SIZE": str(dp), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
+    procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, *argv, "--dp-rank", str(r),
+                               "--dp-barrier", barrier_dir],
+                              env={**env, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)})
+             for r in range(dp)]
+    codes = [p.wait() for p in procs]  # the harness bounds the mode's time and ends its process group
+    return next((c for c in codes if c != 0), 0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -201,10 +239,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks, one process each (MoE models)")
+    p.add_argument("--dp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dp-barrier", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    result = run(args.mode, args.model, sizes, args.reps, args.warmup, args.tp)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.dp > 1 and args.dp_rank is None:
+        raise SystemExit(launch_dp_ranks(sys.argv[1:] if argv is None else argv, args.dp))
+    result = run(args.mode, args.model, sizes, args.reps, args.warmup, args.tp,
+                 args.dp, args.dp_rank or 0, args.dp_barrier)
+    if (args.dp_rank or 0) == 0:
+        Path(args.out).write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ stamps the run (engine version, model shape, parallel layout, GPU, date) and wri
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,8 +28,7 @@ from bcg_plugin.bench.report import (
 
 ENGINES = {
     "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
-             "modes": ["eager", "native", "native_ladder", "compile", "bcg"],
-             "no_dp": "vLLM's offline LLM runs one data-parallel rank per process (VLLM_DP_RANK ...)"},
+             "modes": ["eager", "native", "native_ladder", "compile", "bcg"]},
     "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang",
                "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
 }
@@ -45,16 +46,28 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
             if size > 1:
                 cmd += [f"--{flag}", str(size)]
         t0 = time.perf_counter()
+        # Its own process group: the engine's workers, schedulers and DP ranks end with the mode.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=os.environ.copy(), start_new_session=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=os.environ.copy())
-        except subprocess.TimeoutExpired as e:
-            return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (e.stderr or "")[-3000:] if isinstance(e.stderr, str) else ""}
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            end_group(proc)
+            _, stderr = proc.communicate()
+            return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (stderr or "")[-3000:]}
+        end_group(proc)  # whatever outlived the mode would hold GPU memory the next mode needs
         wall = time.perf_counter() - t0
         if proc.returncode != 0 or not out.exists():
-            return {"error": f"exit code {proc.returncode}", "log_tail": (proc.stdout + proc.stderr)[-4000:]}
+            return {"error": f"exit code {proc.returncode}", "log_tail": (stdout + stderr)[-4000:]}
         data = json.loads(out.read_text())
         data["wall_s"] = wall
         return data
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of ``proc``'s process group (started with ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _merge_rounds(rounds: list[dict]) -> dict:
@@ -85,8 +98,6 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         raise SystemExit(f"unknown {engine} mode(s) {unknown}; choose from {spec['modes']}")
     if tp < 1 or dp < 1:
         raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
-    if dp > 1 and "no_dp" in spec:
-        raise SystemExit(f"bcg bench {engine} has no --dp: {spec['no_dp']}")
     parallel = {"tp": tp, "dp": dp}
     result = {
         "benchmark": "engine",

@@ -405,6 +405,65 @@ def test_bench_engine_kwargs_are_vllm_engine_args(mode):
 
     args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
     assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
+    moe = EngineArgs(**engine_kwargs(mode, "qwen3-30b-a3b", [16, 2048], dp=2))
+    assert moe.enable_expert_parallel
+
+
+def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_path):
+    """Under --dp every rank sends exactly one request per measured step, after the same barrier:
+    rank 0 the N tokens it times, the others one token (vLLM pads them to rank 0's size)."""
+    import threading
+
+    import vllm
+
+    from bcg_adapters.vllm import bench
+
+    events, lock = [], threading.Lock()
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.rank = int(threading.current_thread().name)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            with lock:
+                events.append((self.rank, len(prompts), len(prompts[0]["prompt_token_ids"])))
+
+        def collective_rpc(self, name):
+            return [[]]
+
+    monkeypatch.setattr(bench, "_env_for", lambda *a, **k: None)
+    monkeypatch.setattr(bench.Timers, "install", lambda self: None)
+    monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    results = {}
+
+    def rank_main(rank):
+        results[rank] = bench.run("eager", "qwen3-30b-a3b", [16, 256], reps=3, warmup=1, dp=2, dp_rank=rank,
+                                  barrier_dir=str(tmp_path))
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=str(r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    per_rank = {r: [n for rank, _, n in events if rank == r] for r in range(2)}
+    steps = 2 * 1 + 2 * 3  # warm-up then measured, every size
+    assert all(count == 1 for _, count, _ in events)
+    assert len(per_rank[0]) == len(per_rank[1]) == steps
+    assert per_rank[1] == [1] * steps and sorted(set(per_rank[0])) == [16, 256]
+    assert set(results[0]["e2e_ms"]) == {"16", "256"} and results[0]["data_parallel_size"] == 2
+    assert "forward_ms" not in results[0]  # timed in-process only, as at tp > 1
+
+
+def test_bench_dp_launches_one_process_per_rank(monkeypatch):
+    from bcg_adapters.vllm import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "launch_dp_ranks", lambda argv, dp: calls.append((argv, dp)) or 0)
+    argv = ["--mode", "bcg", "--model", "qwen3-30b-a3b", "--out", "x.json", "--dp", "2"]
+    with pytest.raises(SystemExit) as done:
+        bench.main(argv)
+    assert done.value.code == 0 and calls == [(argv, 2)]
 
 
 def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
