@@ -14,6 +14,10 @@ per-position top-1 input logprobs and its output logprobs (up to the first diffe
 token) must stay below ``TOL`` x the spread (std) of the eager run's input logprobs. bf16 GEMMs on
 a padded bucket may pick other kernels and reduction orders than the eager shapes: the core's
 padded-replay error on hidden states is <= 2e-2 relative, well under TOL.
+
+Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
+``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_plugin.bench.models``.
+Every rank must replay the same buckets in the same order.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import soak_helpers as soak
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 sglang = pytest.importorskip("sglang")
@@ -38,10 +43,14 @@ SEED = 0
 # The last two are consecutive forwards of N tokens with different layouts (no prefix / prefix).
 PROBES = [(40, 24), (100, 64), (300, 200)]
 STALE_SIZES = "32,64,128,256"
-# Multi-GPU runs of the same check: BCG_TEST_TP=2 [BCG_TEST_MODEL=qwen3-8b] (needs TP GPUs). Models
-# other than the 0.6B one load SGLang's dummy weights: a scaled checkpoint of them is too large to write.
+# Multi-GPU runs of the same check: BCG_TEST_TP=2 [BCG_TEST_MODEL=qwen3-8b] (needs TP GPUs), and with
+# DP attention BCG_TEST_TP=2 BCG_TEST_DP=2 [BCG_TEST_MODEL=qwen3-30b-a3b] (MoE: the expert layers'
+# collectives span the DP ranks). Models other than the 0.6B one load SGLang's dummy weights: a scaled
+# checkpoint of them is too large to write.
 TP = int(os.environ.get("BCG_TEST_TP", "1"))
+DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
+TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget between the DP ranks
 
 
 def model_config() -> dict:
@@ -80,6 +89,8 @@ def checkpoint(tmp_path_factory) -> str:
 
     if torch.cuda.device_count() < TP:
         pytest.skip(f"BCG_TEST_TP={TP} needs {TP} GPUs, {torch.cuda.device_count()} visible")
+    if DP > 1 and TP % DP:
+        pytest.skip(f"SGLang's DP attention needs tp_size divisible by dp_size (BCG_TEST_TP={TP}, BCG_TEST_DP={DP})")
     if MODEL != "qwen3-0.6b":
         from bcg_plugin.bench.models import model_dir
 
@@ -135,23 +146,30 @@ def probe_requests(seed: int = SEED + 1) -> list[dict]:
 # -- engines -----------------------------------------------------------------------------------
 
 
+def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK) -> dict:
+    """``sglang.Engine`` arguments for prefill mode ``mode`` in this layout (the soak's too)."""
+    return dict(
+        model_path=model_path,
+        load_format="auto" if MODEL == "qwen3-0.6b" else "dummy",
+        tp_size=TP,
+        dp_size=DP,
+        enable_dp_attention=DP > 1,
+        skip_tokenizer_init=True,
+        attention_backend="triton",
+        chunked_prefill_size=chunk,
+        enable_mixed_chunk=True,
+        cuda_graph_backend_prefill=mode,
+        cuda_graph_backend_decode="disabled",
+        mem_fraction_static=0.5,
+        log_level="warning",
+    )
+
+
 def start_engine(model_path: str, mode: str, env: dict[str, str]):
     for k, v in env.items():
         os.environ[k] = v
     try:
-        engine = sglang.Engine(
-            model_path=model_path,
-            load_format="auto" if MODEL == "qwen3-0.6b" else "dummy",
-            tp_size=TP,
-            skip_tokenizer_init=True,
-            attention_backend="triton",
-            chunked_prefill_size=CHUNK,
-            enable_mixed_chunk=True,
-            cuda_graph_backend_prefill=mode,
-            cuda_graph_backend_decode="disabled",
-            mem_fraction_static=0.5,
-            log_level="warning",
-        )
+        engine = sglang.Engine(**engine_kwargs(model_path, mode))
     finally:
         for k in env:
             os.environ.pop(k, None)
@@ -249,15 +267,14 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     eager_fallback = [f for f in runs["bcg"]["forwards"] if not f["graph"]]
     print(f"[bcg gpu] bcg engine: {len(replayed)} extend forwards replayed, {len(eager_fallback)} eager")
     assert len(replayed) >= 50
-    assert max(f["tokens"] for f in replayed) > CHUNK // 2, "no large (chunked-prefill) forward replayed"
-    in_range = [f["tokens"] for f in eager_fallback if f["tokens"] <= CHUNK]
-    assert not in_range, f"forwards within the top bucket ran eagerly: {in_range[:20]}"
-    per_rank = {}
-    for f in replayed:
-        per_rank.setdefault(f.get("rank", 0), []).append(f["tokens"])
-    assert len(per_rank) == TP, sorted(per_rank)
-    # Tensor-parallel ranks replay in lockstep: the same forwards, in the same order.
-    assert all(tokens == per_rank[0] for tokens in per_rank.values())
+    assert max(f["tokens"] for f in replayed) > TOP_BUCKET // 2, "no large (chunked-prefill) forward replayed"
+    in_range = [f["tokens"] for f in eager_fallback if f["tokens"] <= TOP_BUCKET]
+    if DP == 1:  # under DP attention a forward while another DP rank idles runs eagerly on every rank
+        assert not in_range, f"forwards within the top bucket ran eagerly: {in_range[:20]}"
+    # Ranks replay in lockstep: the same buckets in the same order (under DP attention, each the
+    # bucket of the DP-wide largest forward, whatever the rank's own share).
+    problem = soak.lockstep_problem(soak.replay_sequences(replayed), TP)
+    assert problem is None, problem
 
 
 def test_bcg_matches_eager_logprobs(runs):

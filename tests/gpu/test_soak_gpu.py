@@ -171,27 +171,14 @@ def vllm_engine(role: str, progress: Path) -> dict:
 
 def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
     import sglang
+    from test_sglang_gpu import engine_kwargs  # the engine test's layout, at the soak's chunk size
 
     from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
 
     record = progress.with_name(f"{role}.forwards.jsonl")
     os.environ[BENCH_RECORD_ENV] = str(record)  # schedulers inherit it: forward records, bench patches
     os.environ.setdefault("BCG_STATS_INTERVAL_S", "30")
-    engine = sglang.Engine(
-        model_path=model_path,
-        load_format="auto" if MODEL == "qwen3-0.6b" else "dummy",
-        tp_size=TP,
-        dp_size=DP,
-        enable_dp_attention=DP > 1,
-        skip_tokenizer_init=True,
-        attention_backend="triton",
-        chunked_prefill_size=CHUNK,
-        enable_mixed_chunk=True,
-        cuda_graph_backend_prefill="bcg" if role == "soak" else "disabled",
-        cuda_graph_backend_decode="disabled",
-        mem_fraction_static=0.5,
-        log_level="warning",
-    )
+    engine = sglang.Engine(**engine_kwargs(model_path, "bcg" if role == "soak" else "disabled", chunk=CHUNK))
     prompts = soak.probe_prompts(SEED + 1, PROBES, PROBE_EDGES)
     try:
         def probe() -> list[dict]:

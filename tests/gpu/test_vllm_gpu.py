@@ -9,6 +9,17 @@ attention breaks and the captured all-reduces on two GPUs); bcg's counters then 
 worker over vLLM's collective RPC (:mod:`bcg_adapters.vllm.rpc`), and the ranks must have replayed
 the same buckets the same number of times.
 
+With ``BCG_TEST_DP=2 BCG_TEST_MODEL=qwen3-30b-a3b`` (MoE; vLLM's offline data parallelism serves
+MoE models only) every engine is DP processes, one per DP rank (``VLLM_DP_*`` variables, vLLM's
+offline data-parallel recipe), with expert parallelism: the expert layers' collectives span the DP
+ranks, so a rank replaying while another runs eagerly must still join the same collectives in the
+same order. The first wave is dealt out round-robin; the second goes to DP rank 0, while each other
+rank sends one short placeholder request (vLLM's offline data parallelism starts a rank's engine
+loop only when that rank has a request) and then idles through the rest of the wave, running
+vLLM's dummy forwards in step with rank 0. Ranks wait for each other before shutting down.
+``BCG_TEST_RESULTS_DIR`` keeps each engine's outputs there and reuses them, so the engines of one
+layout can run in separate commands.
+
 Workload: 200 prompts of random lengths 1..8192 (token ids, Qwen3-0.6B-shaped dummy model),
 ``max_num_batched_tokens=2048`` so long prompts are chunked, 180 submitted at once (prefills batched
 together, and mixed with the decodes of prompts that finished prefilling), then 20 that share long
@@ -28,15 +39,19 @@ was captured with (``BCG_VLLM_TESTING_STALE_METADATA=1``) must fail that check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from bcg_plugin.bench.ranks import FileBarrier
 
 LOGPROB_ATOL = 0.25
 MIN_SHARED_TOP5 = 3
@@ -45,8 +60,11 @@ LADDER_BUCKETS = 40  # the core ladder up to CHUNK=2048
 # Multi-GPU runs of the same check: BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b (needs TP GPUs). Config keys
 # for the bcg engines come from BCG_* variables as in the bench (e.g. BCG_WARMUP=first_bucket).
 TP = int(os.environ.get("BCG_TEST_TP", "1"))
+DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
-ENGINE_TIMEOUT_S = 240
+RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
+ENGINE_TIMEOUT_S = 480 if "a3b" in MODEL else 240  # MoE start-up compiles its expert kernels
+BARRIER_ENV = "BCG_TEST_DP_BARRIER"  # the directory of the DP ranks' barrier files
 
 ENGINES = {
     "eager_fa": {"backend": "FLASH_ATTN", "bcg": False},
@@ -89,8 +107,16 @@ def _rescale_weights(model) -> None:
                 p.fill_(1.0)
             elif "embed_tokens" in name or "lm_head" in name:
                 p.mul_(0.05 / dummy_std)
-            elif p.dim() == 2:
-                p.mul_((1.0 / math.sqrt(p.shape[1])) / dummy_std)
+            elif p.dim() in (2, 3):  # 3-D: stacked MoE expert matrices, fan-in last
+                p.mul_((1.0 / math.sqrt(p.shape[-1])) / dummy_std)
+
+
+def dp_share(rank: int, size: int, first: list, second: list) -> tuple[list[int], list[int]]:
+    """Indices (into the concatenated waves) that DP rank ``rank`` of ``size`` serves: the first
+    wave round-robin, the second on rank 0 alone (the other ranks idle through most of it)."""
+    ones = [i for i in range(len(first)) if i % size == rank]
+    twos = [len(first) + i for i in range(len(second))] if rank == 0 else []
+    return ones, twos
 
 
 def run_engine(name: str, out: Path) -> None:
@@ -100,11 +126,12 @@ def run_engine(name: str, out: Path) -> None:
     from bcg_adapters.vllm.rpc import WORKER_EXTENSION
     from bcg_plugin.bench.models import model_dir
 
+    moe = "a3b" in MODEL
     kwargs = dict(
         model=str(model_dir(MODEL)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=MAX_LEN + 512, max_num_batched_tokens=CHUNK, max_num_seqs=64, seed=0,
-        gpu_memory_utilization=0.35, enable_prefix_caching=True, attention_backend=spec["backend"],
-        tensor_parallel_size=TP, worker_extension_cls=WORKER_EXTENSION,
+        gpu_memory_utilization=0.6 if moe else 0.35, enable_prefix_caching=True, attention_backend=spec["backend"],
+        tensor_parallel_size=TP, worker_extension_cls=WORKER_EXTENSION, enable_expert_parallel=moe and TP * DP > 1,
     )
     if spec["bcg"]:
         from bcg_adapters.vllm.bench import bench_bcg_config
@@ -116,15 +143,23 @@ def run_engine(name: str, out: Path) -> None:
     llm.apply_model(_rescale_weights)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=TOP_K, ignore_eos=True)
     first, second = workload()
-    results = []
-    for wave in (first, second):
-        outs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
-        for o in outs:
+    prompts = first + second
+    rank = int(os.environ.get("VLLM_DP_RANK", "0"))
+    waves = dp_share(rank, DP, first, second) if DP > 1 else (range(len(first)), range(len(first), len(prompts)))
+    results = {}
+    for wave in waves:
+        if not wave:  # a placeholder starts this rank's engine loop, which then idles in step with its peers
+            llm.generate([{"prompt_token_ids": [100 + rank]}], params, use_tqdm=False)
+            continue
+        outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in wave], params, use_tqdm=False)
+        for i, o in zip(wave, outs):
             c = o.outputs[0]
-            results.append({"tokens": list(c.token_ids),
-                            "top": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]})
-    stats = [s for rank in llm.collective_rpc("bcg_stats") for s in rank]  # one per TP rank with bcg
+            results[str(i)] = {"tokens": list(c.token_ids),
+                               "top": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]}
+    stats = [s for worker in llm.collective_rpc("bcg_stats") for s in worker]  # one per TP rank with bcg
     out.write_text(json.dumps({"results": results, "bcg": stats}))
+    if DP > 1:  # an engine shut down while a peer still steps would leave the peer in a collective
+        FileBarrier(os.environ[BARRIER_ENV], rank, DP).wait()
 
 
 # -- comparison ------------------------------------------------------------------------------------
@@ -174,26 +209,71 @@ def engines():
     pytest.importorskip("vllm")
     import torch
 
-    if torch.cuda.device_count() < TP:
-        pytest.skip(f"BCG_TEST_TP={TP} needs {TP} GPUs, {torch.cuda.device_count()} visible")
+    if torch.cuda.device_count() < TP * DP:
+        pytest.skip(f"BCG_TEST_TP={TP} x BCG_TEST_DP={DP} needs {TP * DP} GPUs, {torch.cuda.device_count()} visible")
     cache: dict[str, dict] = {}
-    tmp = Path(tempfile.mkdtemp(prefix="bcg-vllm-gpu-"))
+    tmp = Path(RESULTS_DIR or tempfile.mkdtemp(prefix="bcg-vllm-gpu-"))
+    tmp.mkdir(parents=True, exist_ok=True)
 
     def get(name: str) -> dict:
         if name not in cache:
-            out = tmp / f"{name}.json"
-            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **ENGINES[name].get("env", {})}
-            if TP > 1:  # apply_model ships the weight rescaling to the worker processes
-                env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-            proc = subprocess.run([sys.executable, __file__, name, str(out)], env=env, capture_output=True,
-                                  text=True, timeout=ENGINE_TIMEOUT_S)
-            if proc.returncode != 0 or not out.exists():
-                cache[name] = {"error": f"exit {proc.returncode}", "log": (proc.stdout + proc.stderr)[-6000:]}
-            else:
-                cache[name] = json.loads(out.read_text())
+            out = tmp / f"{name}-{MODEL}-tp{TP}-dp{DP}.json"
+            if not out.exists():
+                error = _run_engine_processes(name, out)
+                if error is not None:
+                    cache[name] = error
+                    return error
+            data = json.loads(out.read_text())
+            data["results"] = [data["results"][str(i)] for i in range(NUM_PROMPTS)]
+            cache[name] = data
         return cache[name]
 
     return get
+
+
+def _run_engine_processes(name: str, out: Path) -> dict | None:
+    """Run engine ``name`` (DP processes under data parallelism) and write its merged outputs to
+    ``out``; on failure, the error and the log tail instead."""
+    from vllm.utils.network_utils import get_open_port
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if DP == 1 else "1", **ENGINES[name].get("env", {})}
+    if TP > 1 or DP > 1:  # apply_model ships the weight rescaling to the worker processes
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if DP > 1:
+        env.update(VLLM_DP_SIZE=str(DP), VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(get_open_port()))
+        env[BARRIER_ENV] = tempfile.mkdtemp(prefix=f"{out.stem}-barrier-")
+    logs = [out.parent / f"{out.stem}.rank{r}.log" for r in range(DP)]
+    parts = [out if DP == 1 else out.parent / f"{out.stem}.rank{r}.json" for r in range(DP)]
+    procs = []
+    for r in range(DP):
+        rank_env = {**env, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)} if DP > 1 else env
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, __file__, name, str(parts[r])], env=rank_env,
+                                          stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))  # its group: the engine's workers too
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=ENGINE_TIMEOUT_S))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(q.pid, signal.SIGKILL)
+            codes.append("timeout")
+    if any(c != 0 for c in codes) or not all(part.exists() for part in parts):
+        for part in {out, *parts}:  # nothing half-written is reused through BCG_TEST_RESULTS_DIR
+            part.unlink(missing_ok=True)
+        tails = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()[-4000:]}" for r in range(DP))
+        return {"error": f"exit codes {codes}", "log": tails}
+    if DP > 1:
+        merged = {"results": {}, "bcg": [], "bcg_per_dp_rank": []}
+        for part in parts:
+            data = json.loads(part.read_text())
+            merged["results"].update(data["results"])
+            merged["bcg"] += data["bcg"]
+            merged["bcg_per_dp_rank"].append(data["bcg"])
+        out.write_text(json.dumps(merged))
+    return None
 
 
 def _ok(run: dict, name: str) -> dict:
@@ -203,13 +283,18 @@ def _ok(run: dict, name: str) -> dict:
 
 
 def _assert_bcg_ran(run: dict) -> None:
-    assert len(run["bcg"]) == TP, run["bcg"]
-    stats = run["bcg"][0]
-    assert stats["buckets"] == LADDER_BUCKETS
-    assert stats["replays"] >= 50, stats  # ~1M prompt tokens in 2048-token steps
-    assert stats["fallbacks"] == {}, stats  # no forward exceeds the chunk; no feature forced eager
-    # Tensor-parallel ranks replay in lockstep: the same buckets, the same number of times.
-    assert all(s["replays_by_bucket"] == stats["replays_by_bucket"] for s in run["bcg"]), run["bcg"]
+    assert len(run["bcg"]) == TP * DP, run["bcg"]
+    assert all(s["buckets"] == LADDER_BUCKETS for s in run["bcg"]), run["bcg"]
+    assert sum(s["replays"] for s in run["bcg"][::TP]) >= 50, run["bcg"]  # ~1M prompt tokens in 2048-token steps
+    for dp_rank, tp_stats in enumerate(run.get("bcg_per_dp_rank", [run["bcg"]])):
+        stats = tp_stats[0]
+        assert stats["replays"] > 0, (dp_rank, stats)
+        if DP == 1:  # no forward exceeds the chunk; no feature forced eager
+            assert stats["fallbacks"] == {}, stats
+        else:  # an idle DP rank's dummy forwards carry no attention metadata and run eagerly
+            assert set(stats["fallbacks"]) <= {"feature_not_captured"}, (dp_rank, stats)
+        # Tensor-parallel ranks replay in lockstep: the same buckets, the same number of times.
+        assert all(s["replays_by_bucket"] == stats["replays_by_bucket"] for s in tp_stats), tp_stats
 
 
 @pytest.mark.parametrize("bcg_name, ref_name", [
