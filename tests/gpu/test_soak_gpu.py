@@ -358,9 +358,10 @@ def _version(package: str) -> str | None:
 
 
 def _commit() -> str | None:
+    """HEAD, with ``-dirty`` appended when the tree that ran differs from it."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=HERE,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
