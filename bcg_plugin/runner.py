@@ -123,6 +123,28 @@ class PrefillGraphRunner:
         logger.warning("bcg: prefill graph capture failed on at least one rank; every rank runs prefill eagerly")
 
     def _capture_all(self, progress: bool) -> None:
+        """Set up, agree on the setup with every rank, then capture bucket by bucket.
+
+        The setup vote comes before any warm-up: a rank whose setup failed must not leave the
+        others waiting in the first warm-up's collectives, which it would never join.
+        """
+        group = self._hook.bcg_world_group()
+        stream, status, error = None, CaptureStatus.OK, None
+        try:
+            stream = self._prepare_capture()
+        except torch.OutOfMemoryError as e:
+            status, error = CaptureStatus.OOM, e
+        except Exception as e:
+            status, error = CaptureStatus.FAILED, e
+        world = agree_capture_status(status, group)
+        if error is not None:
+            raise error
+        if world is not CaptureStatus.OK:
+            raise _PeerCaptureFailure(world)
+        self._capture_buckets(stream, progress)
+
+    def _prepare_capture(self) -> torch.cuda.Stream:
+        """Static input buffers at the top bucket's size, the graph pool, the capture stream."""
         specs: dict[str, StaticInput] = self._hook.bcg_static_inputs()
         if not specs:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
@@ -133,8 +155,7 @@ class PrefillGraphRunner:
         }
         self._pads = {name: spec.pad for name, spec in specs.items()}
         self._pool = GraphPool()
-        stream = self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
-        self._capture_buckets(stream, progress)
+        return self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
 
     def _capture_buckets(self, stream: torch.cuda.Stream, progress: bool) -> None:
         group = self._hook.bcg_world_group()

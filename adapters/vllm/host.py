@@ -105,7 +105,7 @@ class VllmHost:
     def bcg_world_group(self) -> Any:
         from vllm.distributed.parallel_state import get_world_group
 
-        # The world group spans TP, PP and in-engine DP ranks: one vote for all of them.
+        # The world group spans every TP, PP and DP rank (offline data parallelism included): one vote for all.
         return get_world_group().cpu_group
 
     @hookimpl

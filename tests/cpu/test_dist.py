@@ -124,9 +124,11 @@ class _FakePool:
 
 
 def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
-    """Run the real per-bucket capture loop with a scripted ``_capture_bucket``; return what happened.
+    """Run the real capture loop (setup vote, per-bucket votes) with a scripted setup and
+    ``_capture_bucket``; return what happened.
 
-    ``fail_when``: ``"always"`` or ``"direct"`` (only a capture without a warm-up fails).
+    ``fail_when``: ``"always"``, ``"direct"`` (only a capture without a warm-up fails) or
+    ``"setup"`` (the failing rank's setup raises before any bucket).
     """
     runner = PrefillGraphRunner(plugin_manager(_InjectedFailure(rank, failing_rank)),
                                 BcgConfig(enable=True, sizes=(16, 32, 64), **config), chunk_size=64, device="cpu")
@@ -138,11 +140,13 @@ def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
             raise error
         return _FakeGraph(log, bucket)
 
-    def capture_all(progress):  # the real loop, without CUDA buffers, pool or stream
+    def prepare_capture():  # no CUDA buffers, pool or stream
+        if rank == failing_rank and fail_when == "setup":
+            raise error
         runner._pool = _FakePool()
-        runner._capture_buckets(None, progress)
+        return None
 
-    runner._capture_bucket, runner._capture_all = capture_bucket, capture_all
+    runner._capture_bucket, runner._prepare_capture = capture_bucket, prepare_capture
     try:
         runner.capture(progress=False)
         outcome = "captured" if runner.captured else "eager"
@@ -173,6 +177,12 @@ def test_direct_capture_failing_on_one_rank_is_retried_after_a_warm_up_by_every_
     calls = [(64, True), (32, False), (32, True), (16, False)]
     assert results[0] == ["captured", calls[:2] + [("released", 32)] + calls[2:]]
     assert results[1] == ["captured", calls]
+
+
+def test_setup_failing_on_one_rank_leaves_every_rank_eager_before_any_bucket(tmp_path):
+    # Rank 0 must not start bucket 64's warm-up: its collectives would wait for rank 1 forever.
+    results = _run(2, _capture_script, tmp_path, 1, None, "setup", RuntimeError("injected"), {})
+    assert results == [["eager", []], ["eager", []]]
 
 
 def test_dp_bucket_pure():
