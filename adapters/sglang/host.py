@@ -31,6 +31,10 @@ class SglangHost:
         self.device = torch.device(model_runner.device, torch.cuda.current_device())
         self.capture_stream: torch.cuda.Stream | None = None
         self._dp = _dp_layout(model_runner)
+        # Per bucket, the capture-time DP token counts on the device. Graphs whose body reads them
+        # (DP scatter under attention tensor parallelism) keep their addresses: they must outlive
+        # the dummy batch that brought them, as SGLang's own runner keeps its dummy batch.
+        self._dp_counts: dict[int, torch.Tensor] = {}
 
     def forward_pass(self, forward_batch: Any, forward_kwargs: dict | None = None) -> ForwardPass:
         return ForwardPass(
@@ -169,7 +173,7 @@ class SglangHost:
         if self._dp is None:
             return {}
         counts = [num_tokens] * self._dp
-        gpu = torch.tensor(counts, dtype=torch.int32, device=self.device)
+        gpu = self._dp_counts.setdefault(num_tokens, torch.tensor(counts, dtype=torch.int32, device=self.device))
         return {
             "global_num_tokens_cpu": counts,
             "global_num_tokens_gpu": gpu,
