@@ -26,6 +26,11 @@ from bcg_plugin.bench.order import interleaved
 MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
 
 
+def step_tokens(record: dict) -> int:
+    """The step's size: under DP attention the largest rank's tokens (rank 0 may idle through it)."""
+    return max(record["across_dp"]) if record.get("across_dp") else record["tokens"]
+
+
 def _records(path: Path, kind: str, skip: int = 0) -> list[dict]:
     if not path.exists():
         return []
@@ -81,7 +86,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
     e2e = {str(n): statistics.median(times[n]) for n in sizes}
     fwd, fwd_host = {}, {}
     for n in sizes:
-        forwards = [r for r in measured if r["tokens"] == n]
+        forwards = [r for r in measured if step_tokens(r) == n]
         if forwards:
             fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
             fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)

@@ -150,6 +150,7 @@ class BcgPrefillRunner:
         if (
             self._stale_for_test
             and previous is not None
+            and previous.forward_mode.is_extend()  # an idle DP rank's padded forward is IDLE again by now
             and len(previous.input_ids) == len(forward_batch.input_ids)
         ):
             # Negative control only: the previous replay's plan, in bounds but wrong for this batch.

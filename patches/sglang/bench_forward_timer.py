@@ -1,8 +1,8 @@
 """Bench-only: ``ModelRunner.forward`` timed with CUDA events for extend forwards.
 
 Installed only when ``BCG_BENCH_RECORD`` names a file (the benchmark script sets it for its own
-engine); each extend forward appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph",
-"across_dp"}`` to it (``host_ms``: host time spent issuing the forward; ``across_dp``: SGLang's
+engine); each extend forward, and an idle DP-attention rank's forward while another rank extends,
+appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph", "across_dp"}`` to it (``host_ms``: host time spent issuing the forward; ``across_dp``: SGLang's
 replicated per-DP-rank token counts, ``None`` without DP attention). The synchronisation it adds
 makes it unfit for serving.
 """
@@ -22,7 +22,11 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     from bcg_adapters.sglang.settings import append_bench_record, bench_record_path
 
     path = bench_record_path()
-    if not path or not forward_batch.forward_mode.is_extend():
+    mode = forward_batch.forward_mode
+    # An idle DP-attention rank while another extends: SGLang pads it to a dummy extend that replays
+    # the same bucket, so lockstep checks need its record too (``tokens`` 0).
+    idle_in_extend = mode.is_idle() and bool(getattr(forward_batch, "is_extend_in_batch", False))
+    if not path or not (mode.is_extend() or idle_in_extend):
         return original_fn(self, forward_batch, *args, **kwargs)
     tokens = len(forward_batch.input_ids)
     across = getattr(forward_batch, "global_num_tokens_cpu", None)  # read before the forward pads it

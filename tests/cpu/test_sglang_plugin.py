@@ -357,3 +357,79 @@ def test_key_and_value_reach_the_break_contiguous(monkeypatch):
     assert seen["k"].is_contiguous() and seen["v"].is_contiguous()
     assert torch.equal(seen["k"], k) and torch.equal(seen["v"], v)
     assert seen["rest"] == ((True, 3), {"key_value_num_tokens": None})
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+@pytest.mark.parametrize("mode, extend_in_batch, recorded", [
+    ("EXTEND", False, True),
+    ("IDLE", True, True),  # an idle DP rank padded to the other rank's extend replays too
+    ("IDLE", False, False),
+    ("DECODE", False, False),
+])
+def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_path, mode, extend_in_batch, recorded):
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from bcg_adapters.sglang.bench import step_tokens
+    from bcg_patches.sglang.bench_forward_timer import around_forward
+
+    path = tmp_path / "forwards.jsonl"
+    monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    fb = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), is_extend_in_batch=extend_in_batch,
+                               input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3])
+    out = around_forward(lambda self, batch: types.SimpleNamespace(can_run_graph=True), None, fb)
+    assert out.can_run_graph
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert len(records) == int(recorded)
+    if recorded:
+        assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
+
+
+def test_dp_token_counts_outlive_the_dummy_batch_that_brought_them():
+    import gc
+    import weakref
+
+    import torch
+
+    from bcg_adapters.sglang.host import SglangHost
+
+    host = SglangHost.__new__(SglangHost)
+    host._dp, host.device, host._dp_counts = 2, torch.device("cpu"), {}
+    first = host._dp_fields(64)
+    alive = weakref.ref(first["global_num_tokens_gpu"])
+    del first
+    gc.collect()
+    # A graph captured with that dummy batch may read the tensor by address at every replay.
+    assert alive() is not None and alive().tolist() == [64, 64]
+    assert host._dp_fields(64)["global_num_tokens_gpu"] is alive()
+
+
+def test_stale_metadata_knob_never_plans_from_an_idle_dp_forward():
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    planned = []
+    r = BcgPrefillRunner.__new__(BcgPrefillRunner)
+    r.model_runner = types.SimpleNamespace(attn_backend=types.SimpleNamespace(init_forward_metadata=planned.append),
+                                           model=object())
+    r._stale_for_test = True
+    idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, input_ids=[0] * 8)
+    extend = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * 8)
+    r._previous_replay = idle
+    r._plan_attention(extend)
+    assert planned == [extend]  # an idle forward's metadata is decode-shaped: never reused
+    r._plan_attention(types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * 8))
+    assert planned[-1] is extend  # the negative control still reuses a previous extend's plan
