@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pluggy
 import torch
@@ -22,6 +23,7 @@ from bcg_plugin.pool import GraphPool
 from bcg_plugin.stats import Fallback, RuntimeStats
 
 logger = logging.getLogger("bcg_plugin")
+T = TypeVar("T")
 
 
 class _PeerCaptureFailure(Exception):
@@ -30,6 +32,19 @@ class _PeerCaptureFailure(Exception):
     def __init__(self, status: CaptureStatus) -> None:
         super().__init__(status.name)
         self.status = status
+
+
+def _agreed(step: Callable[[], T], group: Any) -> tuple[T | None, CaptureStatus, BaseException | None]:
+    """Run one capture step on this rank, then agree on its outcome with every rank: the step's
+    result, the agreed status, and this rank's own error (``None`` if it succeeded here)."""
+    result, status, error = None, CaptureStatus.OK, None
+    try:
+        result = step()
+    except torch.OutOfMemoryError as e:
+        status, error = CaptureStatus.OOM, e
+    except Exception as e:
+        status, error = CaptureStatus.FAILED, e
+    return result, agree_capture_status(status, group), error
 
 
 class PrefillGraphRunner:
@@ -129,19 +144,12 @@ class PrefillGraphRunner:
         others waiting in the first warm-up's collectives, which it would never join.
         """
         group = self._hook.bcg_world_group()
-        stream, status, error = None, CaptureStatus.OK, None
-        try:
-            stream = self._prepare_capture()
-        except torch.OutOfMemoryError as e:
-            status, error = CaptureStatus.OOM, e
-        except Exception as e:
-            status, error = CaptureStatus.FAILED, e
-        world = agree_capture_status(status, group)
+        stream, world, error = _agreed(self._prepare_capture, group)
         if error is not None:
             raise error
         if world is not CaptureStatus.OK:
             raise _PeerCaptureFailure(world)
-        self._capture_buckets(stream, progress)
+        self._capture_buckets(stream, group, progress)
 
     def _prepare_capture(self) -> torch.cuda.Stream:
         """Static input buffers at the top bucket's size, the graph pool, the capture stream."""
@@ -157,8 +165,7 @@ class PrefillGraphRunner:
         self._pool = GraphPool()
         return self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
 
-    def _capture_buckets(self, stream: torch.cuda.Stream, progress: bool) -> None:
-        group = self._hook.bcg_world_group()
+    def _capture_buckets(self, stream: torch.cuda.Stream, group: Any, progress: bool) -> None:
         ordered = sorted(self.buckets, reverse=True)
         for i, bucket in enumerate(tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress,
                                         leave=False)):
@@ -172,14 +179,7 @@ class PrefillGraphRunner:
         (stopped by a failure) will never join: every rank stops at the same bucket. A direct
         capture (no warm-up) that failed on any rank is retried by every rank after a warm-up.
         """
-        graph, status, error = None, CaptureStatus.OK, None
-        try:
-            graph = self._capture_bucket(bucket, stream, warm=warm)
-        except torch.OutOfMemoryError as e:
-            status, error = CaptureStatus.OOM, e
-        except Exception as e:
-            status, error = CaptureStatus.FAILED, e
-        world = agree_capture_status(status, group)
+        graph, world, error = _agreed(lambda: self._capture_bucket(bucket, stream, warm=warm), group)
         if world is CaptureStatus.OK:
             return graph
         if graph is not None:
