@@ -214,18 +214,23 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     return result
 
 
+def dp_rank_envs(dp: int) -> list[dict[str, str]]:
+    """Per DP rank, the variables of vLLM's offline data-parallel recipe (one host, one free
+    rendezvous port shared by the ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = {"VLLM_DP_SIZE": str(dp), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
+    return [{**group, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)} for r in range(dp)]
+
+
 def launch_dp_ranks(argv: list[str], dp: int) -> int:
     """Run this script once per DP rank (``argv`` plus the rank); the exit code of the first
     rank that failed, else 0. Rank 0 writes ``--out``."""
-    with socket.socket() as s:  # a free port for the DP group's rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     barrier_dir = tempfile.mkdtemp(prefix="bcg-bench-dp-")
-    env = {**os.environ, "VLLM_DP_SIZE": str(dp), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
     procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, *argv, "--dp-rank", str(r),
-                               "--dp-barrier", barrier_dir],
-                              env={**env, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)})
-             for r in range(dp)]
+                               "--dp-barrier", barrier_dir], env={**os.environ, **rank_env})
+             for r, rank_env in enumerate(dp_rank_envs(dp))]
     codes = [p.wait() for p in procs]  # the harness bounds the mode's time and ends its process group
     return next((c for c in codes if c != 0), 0)
 

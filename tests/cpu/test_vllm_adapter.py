@@ -455,6 +455,15 @@ def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_p
     assert "forward_ms" not in results[0]  # timed in-process only, as at tp > 1
 
 
+def test_dp_rank_envs_share_one_rendezvous_and_number_the_ranks():
+    from bcg_adapters.vllm.bench import dp_rank_envs
+
+    envs = dp_rank_envs(2)
+    assert [(e["VLLM_DP_RANK"], e["VLLM_DP_RANK_LOCAL"]) for e in envs] == [("0", "0"), ("1", "1")]
+    assert {e["VLLM_DP_MASTER_PORT"] for e in envs} == {envs[0]["VLLM_DP_MASTER_PORT"]}
+    assert all(e["VLLM_DP_SIZE"] == "2" for e in envs)
+
+
 def test_bench_dp_launches_one_process_per_rank(monkeypatch):
     from bcg_adapters.vllm import bench
 

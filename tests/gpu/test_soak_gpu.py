@@ -61,7 +61,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -71,6 +70,7 @@ from pathlib import Path
 import pytest
 
 import soak_helpers as soak
+from bcg_plugin.bench.harness import end_group
 from test_vllm_gpu import TOP_K, _rescale_weights, fewest_shared, mismatches, worst_logprob_diff
 
 pytestmark = [pytest.mark.gpu, pytest.mark.soak]
@@ -231,8 +231,9 @@ def run_engine(engine: str, role: str, tmp: Path, timeout_s: float, model_path: 
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-        finally:
-            _end_group(proc)
+        finally:  # the engine process and whatever it left running (workers, schedulers) in its group
+            end_group(proc)
+            proc.wait()
     events = soak.read_progress(progress)
     phase = soak.describe_phase(soak.unfinished_phase(events))
     text = log.read_text(errors="replace")
@@ -246,15 +247,6 @@ def run_engine(engine: str, role: str, tmp: Path, timeout_s: float, model_path: 
     else:
         return json.loads(out.read_text())
     return {"error": error, "log": tail, "events": events}
-
-
-def _end_group(proc: subprocess.Popen) -> None:
-    """End the engine process and whatever it left running (workers, schedulers) in its group."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
 
 
 def _need_gpus(n: int) -> None:

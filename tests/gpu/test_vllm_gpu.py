@@ -39,11 +39,9 @@ was captured with (``BCG_VLLM_TESTING_STALE_METADATA=1``) must fail that check.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -234,21 +232,21 @@ def engines():
 def _run_engine_processes(name: str, out: Path) -> dict | None:
     """Run engine ``name`` (DP processes under data parallelism) and write its merged outputs to
     ``out``; on failure, the error and the log tail instead."""
-    from vllm.utils.network_utils import get_open_port
+    from bcg_adapters.vllm.bench import dp_rank_envs
+    from bcg_plugin.bench.harness import end_group
 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if DP == 1 else "1", **ENGINES[name].get("env", {})}
     if TP > 1 or DP > 1:  # apply_model ships the weight rescaling to the worker processes
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if DP > 1:
-        env.update(VLLM_DP_SIZE=str(DP), VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(get_open_port()))
         env[BARRIER_ENV] = tempfile.mkdtemp(prefix=f"{out.stem}-barrier-")
+    rank_envs = dp_rank_envs(DP) if DP > 1 else [{}]
     logs = [out.parent / f"{out.stem}.rank{r}.log" for r in range(DP)]
     parts = [out if DP == 1 else out.parent / f"{out.stem}.rank{r}.json" for r in range(DP)]
     procs = []
-    for r in range(DP):
-        rank_env = {**env, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)} if DP > 1 else env
+    for r, rank_env in enumerate(rank_envs):
         with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, name, str(parts[r])], env=rank_env,
+            procs.append(subprocess.Popen([sys.executable, __file__, name, str(parts[r])], env={**env, **rank_env},
                                           stdout=log, stderr=subprocess.STDOUT, text=True,
                                           start_new_session=True))  # its group: the engine's workers too
     codes = []
@@ -257,8 +255,7 @@ def _run_engine_processes(name: str, out: Path) -> dict | None:
             codes.append(p.wait(timeout=ENGINE_TIMEOUT_S))
         except subprocess.TimeoutExpired:
             for q in procs:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(q.pid, signal.SIGKILL)
+                end_group(q)
             codes.append("timeout")
     if any(c != 0 for c in codes) or not all(part.exists() for part in parts):
         for part in {out, *parts}:  # nothing half-written is reused through BCG_TEST_RESULTS_DIR
