@@ -119,24 +119,32 @@ class VllmPrefillGraphs:
         self.reporter.tick()
         return bucket
 
-    def forward(self, model: Any, model_inputs: dict[str, Any]) -> Any:
-        """Run one PIECEWISE-dispatched forward: replay its bucket, or eager if it cannot."""
+    def forward(self, model: Any, model_inputs: dict[str, Any], *, dummy: bool = False) -> Any:
+        """Run one PIECEWISE-dispatched forward: replay its bucket, or eager if it cannot.
+
+        ``dummy``: V1's ``_dummy_run`` (an idle DP rank padded to its peers' bucket). vLLM builds no
+        attention metadata for it, so attention writes zeros and every row is padding.
+        """
         from vllm.forward_context import get_forward_context
 
         context = get_forward_context()
         bucket = context.batch_descriptor.num_tokens
-        batch = self._host_batch(context, model_inputs, bucket)
+        batch = self._host_batch(context, model_inputs, bucket, dummy)
         if batch is None:
             self.runner.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
             return model(**model_inputs)
         return self.runner.replay(bucket, batch)
 
-    def _host_batch(self, context: Any, model_inputs: dict[str, Any], bucket: int) -> HostBatch | None:
+    def _host_batch(self, context: Any, model_inputs: dict[str, Any], bucket: int,
+                    dummy: bool = False) -> HostBatch | None:
         if bucket not in self._buckets:
             return None  # a size vLLM padded to on its own (V1 DP re-dispatch): no graph for it
         if any(v is not None for k, v in model_inputs.items() if k not in _GRAPH_INPUTS):
             return None  # extra model inputs (intermediate tensors, model kwargs) are not captured
-        num_tokens = _num_actual_tokens(context.attn_metadata)
+        if dummy and context.attn_metadata is None:
+            num_tokens = bucket
+        else:
+            num_tokens = _num_actual_tokens(context.attn_metadata)
         if num_tokens is None or not 0 < num_tokens <= bucket:
             return None
         if self._slot_mapping_probe is not None:

@@ -15,6 +15,7 @@ from bcg_patches.vllm import (
     unified_attention_with_output,
     v1_cudagraph_dispatcher_dispatch,
     v1_gpu_model_runner_capture_model,
+    v1_gpu_model_runner_dummy_run,
     v1_gpu_model_runner_model_forward,
     v2_cudagraph_manager_dispatch,
     v2_cudagraph_manager_needs_capture,
@@ -37,6 +38,7 @@ RUNNER = PatchSet("vllm-runner", [
     v1_cudagraph_dispatcher_dispatch.PATCH,
     v1_gpu_model_runner_capture_model.PATCH,
     v1_gpu_model_runner_model_forward.PATCH,
+    v1_gpu_model_runner_dummy_run.PATCH,
     unified_attention_with_output.PATCH,
 ])
 ALL = [*ENTRY.patches, *RUNNER.patches]

@@ -2,7 +2,7 @@
 
 bcg goes first: the original returns early when ``cudagraph_mode`` is NONE and locks workspace
 growth when it finishes. Dummy batches come from the runner's ``_dummy_run`` (see
-:class:`bcg_adapters.vllm.host.V1Host`), whose parameters this patch depends on as well.
+:class:`bcg_adapters.vllm.host.V1Host`), itself patched and verified by ``v1_gpu_model_runner_dummy_run``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,6 @@ from __future__ import annotations
 import functools
 
 from bcg_patches.vllm._patch import Patch
-
-DUMMY_RUN_PARAMS = ["self", "num_tokens", "cudagraph_runtime_mode", "force_attention", "uniform_decode",
-                    "allow_microbatching", "skip_eplb", "is_profile", "create_mixed_batch", "remove_lora",
-                    "is_graph_capturing", "num_active_loras", "profile_seq_lens"]
 
 
 def make(original):
@@ -29,14 +25,7 @@ def make(original):
     return capture_model
 
 
-class _CaptureModelPatch(Patch):
-    def verify(self) -> None:
-        super().verify()
-        Patch(self.module, "GPUModelRunner._dummy_run", DUMMY_RUN_PARAMS, make, self.reason,
-              self.remove_when).verify()
-
-
-PATCH = _CaptureModelPatch(
+PATCH = Patch(
     module="vllm.v1.worker.gpu_model_runner",
     qualname="GPUModelRunner.capture_model",
     params=["self"],

@@ -275,6 +275,80 @@ def test_v1_dispatch_answers_the_dp_redispatch_without_tripping_vllms_assert():
     assert dispatch(d, 100)[0] == CUDAGraphMode.NONE
 
 
+# -- an idle DP rank's dummy forward replays the bucket its peers replay --------------------------
+
+
+class RecordingGraphs:
+    def __init__(self):
+        self.calls = []
+
+    def forward(self, model, inputs, *, dummy=False):
+        self.calls.append((model, sorted(inputs), dummy))
+        return "replayed"
+
+
+def test_v1_dummy_run_sends_piecewise_forwards_through_bcg_and_restores_the_model():
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import override_forward_context
+
+    from bcg_patches.vllm import v1_gpu_model_runner_dummy_run as mod
+
+    eager_calls = []
+    model_fn = lambda **kw: eager_calls.append(sorted(kw)) or "eager"  # noqa: E731
+
+    def original(self, num_tokens, cudagraph_runtime_mode=None, *args, **kwargs):
+        # What V1's _dummy_run does: set the dispatched forward context, call self.model directly.
+        with override_forward_context(types.SimpleNamespace(cudagraph_runtime_mode=cudagraph_runtime_mode)):
+            assert self.model.name == "model"  # attributes still reach the model
+            return self.model(input_ids=None, positions=num_tokens)
+
+    dummy_run = mod.make(original)
+    graphs = RecordingGraphs()
+    raw = _CallableModel(model_fn)
+    runner = types.SimpleNamespace(_bcg_graphs=graphs, model=raw)
+    assert dummy_run(runner, 2048, CUDAGraphMode.PIECEWISE) == "replayed"
+    assert graphs.calls == [(raw, ["input_ids", "positions"], True)]
+    assert runner.model is raw
+    assert dummy_run(runner, 8, CUDAGraphMode.FULL) == "eager"  # decode graphs, warm-ups: the model itself
+    assert dummy_run(runner, 8, CUDAGraphMode.NONE) == "eager"
+    assert len(graphs.calls) == 1 and len(eager_calls) == 2
+    assert dummy_run(types.SimpleNamespace(model=raw), 2048, CUDAGraphMode.PIECEWISE) == "eager"  # bcg off
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        mod.make(failing)(runner, 16)
+    assert runner.model is raw
+
+
+class _CallableModel:
+    name = "model"
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self, **kwargs):
+        return self._fn(**kwargs)
+
+
+def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding():
+    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+
+    graphs = object.__new__(VllmPrefillGraphs)
+    graphs._buckets = frozenset({64})
+    graphs._slot_mapping_probe = None
+    graphs.stale_metadata = False
+    graphs.host = types.SimpleNamespace(embeds_in_graph=True)
+    context = types.SimpleNamespace(attn_metadata=None, slot_mapping={})
+    inputs = {"input_ids": torch.zeros(64, dtype=torch.int32), "positions": torch.zeros(64, dtype=torch.int64),
+              "inputs_embeds": None, "intermediate_tensors": None}
+    batch = graphs._host_batch(context, inputs, 64, dummy=True)
+    assert batch is not None and batch.num_tokens == 64 and batch.payload is context
+    assert graphs._host_batch(context, inputs, 64) is None  # a real step always has metadata
+    assert graphs._host_batch(context, inputs, 48, dummy=True) is None  # no graph at that size
+
+
 # -- the attention break reads the batch the replay path binds -----------------------------------
 
 

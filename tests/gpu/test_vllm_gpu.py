@@ -16,7 +16,8 @@ ranks, so a rank replaying while another runs eagerly must still join the same c
 same order. The first wave is dealt out round-robin; the second goes to DP rank 0, while each other
 rank sends one short placeholder request (vLLM's offline data parallelism starts a rank's engine
 loop only when that rank has a request) and then idles through the rest of the wave, running
-vLLM's dummy forwards in step with rank 0. Ranks wait for each other before shutting down.
+vLLM's dummy forwards in step with rank 0; those replay the bucket rank 0 replays, so every DP rank
+must have replayed the same buckets the same number of times. Ranks wait for each other before shutting down.
 ``BCG_TEST_RESULTS_DIR`` keeps each engine's outputs there and reuses them, so the engines of one
 layout can run in separate commands.
 
@@ -288,11 +289,14 @@ def _assert_bcg_ran(run: dict) -> None:
         assert stats["replays"] > 0, (dp_rank, stats)
         if DP == 1:  # no forward exceeds the chunk; no feature forced eager
             assert stats["fallbacks"] == {}, stats
-        else:  # an idle rank's dummy forwards run eagerly without reaching bcg; a step whose DP-wide
-            # size is no bucket (one rank's FULL decode padded by vLLM) runs eagerly on every rank
+        else:  # a step whose DP-wide size is no bucket (one rank's FULL decode padded by vLLM) runs
+            # eagerly on every rank
             assert set(stats["fallbacks"]) <= {"feature_not_captured"}, (dp_rank, stats)
         # Tensor-parallel ranks replay in lockstep: the same buckets, the same number of times.
         assert all(s["replays_by_bucket"] == stats["replays_by_bucket"] for s in tp_stats), tp_stats
+    # So do data-parallel ranks: an idle rank's padded dummy forward replays the bucket its peers replay.
+    per_dp = [tp_stats[0]["replays_by_bucket"] for tp_stats in run.get("bcg_per_dp_rank", [])]
+    assert all(r == per_dp[0] for r in per_dp), per_dp
 
 
 @pytest.mark.parametrize("bcg_name, ref_name", [
