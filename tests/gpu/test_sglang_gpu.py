@@ -22,6 +22,7 @@ Every rank must replay the same buckets in the same order.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -165,11 +166,16 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK) -> dict:
     )
 
 
+# Each engine of one test process gets its own port range: under DP attention the process keeps a
+# shut-down engine's ports bound, and SGLang derives every port of the next engine from ``port``.
+_ENGINE_PORTS = itertools.count(31000, 1000)
+
+
 def start_engine(model_path: str, mode: str, env: dict[str, str]):
     for k, v in env.items():
         os.environ[k] = v
     try:
-        engine = sglang.Engine(**engine_kwargs(model_path, mode))
+        engine = sglang.Engine(**engine_kwargs(model_path, mode), port=next(_ENGINE_PORTS))
     finally:
         for k in env:
             os.environ.pop(k, None)

@@ -67,11 +67,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import dummy_weights
 import pytest
 
 import soak_helpers as soak
 from bcg_plugin.bench.harness import end_group
-from test_vllm_gpu import TOP_K, _rescale_weights, fewest_shared, mismatches, worst_logprob_diff
+from test_vllm_gpu import TOP_K, fewest_shared, mismatches, worst_logprob_diff
 
 pytestmark = [pytest.mark.gpu, pytest.mark.soak]
 
@@ -146,7 +147,7 @@ def vllm_engine(role: str, progress: Path) -> dict:
     else:
         kwargs["enforce_eager"] = True
     llm = LLM(**kwargs)
-    llm.apply_model(_rescale_weights)  # as in test_vllm_gpu: logits spread over a few nats
+    llm.apply_model(dummy_weights.rescale)  # as in test_vllm_gpu: logits spread over a few nats
     prompts = soak.probe_prompts(SEED + 1, PROBES, PROBE_EDGES)
 
     def probe() -> list[dict]:

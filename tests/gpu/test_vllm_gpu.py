@@ -48,6 +48,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import dummy_weights
 import pytest
 
 from bcg_plugin.bench.ranks import FileBarrier
@@ -57,7 +58,7 @@ MIN_SHARED_TOP5 = 3
 NUM_PROMPTS, FIRST_WAVE, MAX_LEN, CHUNK, TOP_K = 200, 180, 8192, 2048, 5
 LADDER_BUCKETS = 40  # the core ladder up to CHUNK=2048
 # Multi-GPU runs of the same check: BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b (needs TP GPUs). Config keys
-# for the bcg engines come from BCG_* variables as in the bench (e.g. BCG_WARMUP=first_bucket).
+# for the bcg engines come from BCG_* variables as in the bench (e.g. BCG_WARMUP=every_bucket).
 TP = int(os.environ.get("BCG_TEST_TP", "1"))
 DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
@@ -94,22 +95,6 @@ def workload(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
 # -- one engine (runs in its own process) ----------------------------------------------------------
 
 
-def _rescale_weights(model) -> None:
-    import math
-
-    import torch
-
-    dummy_std = 1e-3 / math.sqrt(3.0)  # uniform(-1e-3, 1e-3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.mul_(0.05 / dummy_std)
-            elif p.dim() in (2, 3):  # 3-D: stacked MoE expert matrices, fan-in last
-                p.mul_((1.0 / math.sqrt(p.shape[-1])) / dummy_std)
-
-
 def dp_share(rank: int, size: int, first: list, second: list) -> tuple[list[int], list[int]]:
     """Indices (into the concatenated waves) that DP rank ``rank`` of ``size`` serves: the first
     wave round-robin, the second on rank 0 alone (the other ranks idle through most of it)."""
@@ -139,7 +124,7 @@ def run_engine(name: str, out: Path) -> None:
     else:
         kwargs["enforce_eager"] = True
     llm = LLM(**kwargs)
-    llm.apply_model(_rescale_weights)
+    llm.apply_model(dummy_weights.rescale)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=TOP_K, ignore_eos=True)
     first, second = workload()
     prompts = first + second
