@@ -133,6 +133,7 @@ def test_patch_sets_apply_and_unapply_cleanly():
     ({"enable": True, "max_tokens": -1}, "max_tokens"),
     ({"enable": True, "sizes": [16, 4096], "max_tokens": 1024}, "sizes"),
     ({"enable": True, "capture_failure": "ignore"}, "capture_failure"),
+    ({"enable": True, "warmup": "never"}, "warmup"),
 ])
 def test_config_errors_name_the_key(model_config, raw, key):
     plugin.register()
@@ -140,6 +141,18 @@ def test_config_errors_name_the_key(model_config, raw, key):
         make_config(model_config, additional_config={"bcg": raw})
     assert "additional_config['bcg']" in str(err.value)
     assert key in str(err.value)
+
+
+@pytest.mark.parametrize("raw, warmup", [
+    ({"enable": True}, "first_bucket"),  # vLLM's default
+    ({"enable": True, "warmup": "every_bucket"}, "every_bucket"),  # the user's key wins
+])
+def test_vllm_warmup_default_sits_under_the_users_keys(raw, warmup):
+    from bcg_adapters.vllm.config import bcg_config
+
+    cfg = bcg_config(types.SimpleNamespace(additional_config={"bcg": raw}))
+    assert cfg.warmup == warmup and cfg.enable
+    assert "warmup" not in raw or raw["warmup"] == warmup
 
 
 def test_enabling_turns_torch_compile_off(model_config):
