@@ -19,6 +19,10 @@ only when its own process sends a request, so the ranks move in step (:mod:`bcg_
 at every measurement rank 0 sends the N-token request it times and every other rank a one-token
 request, which vLLM pads to rank 0's size. Rank 0 writes the result. The engines then run in their
 own processes, so only the end-to-end figures are recorded, as at tensor parallelism above 1.
+Under data parallelism ``generate()`` returns only when the DP wave ends, at least
+``DP_WAVE_MIN_STEPS`` engine steps after it began, most of them one-token dummy steps; so the run
+also records ``ttft_ms``, the time to first token from vLLM's own request metrics, which ends with
+the prefill step.
 """
 
 from __future__ import annotations
@@ -35,11 +39,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bcg_plugin.bench.order import interleaved
 from bcg_plugin.bench.ranks import FileBarrier
 
 MODES = ("eager", "native", "native_ladder", "compile", "bcg")
+# vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
+# (EngineCore._has_global_unfinished_reqs in 0.26): the floor of a DP request's generate() time.
+DP_WAVE_MIN_STEPS = 32
 
 
 def _env_for(mode: str, in_process: bool = True) -> None:
@@ -140,6 +148,7 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
                   tensor_parallel_size=tp, worker_extension_cls=WORKER_EXTENSION)
     if dp > 1:  # the experts spread over the DP ranks: their dispatch is a collective of all of them
         kwargs["enable_expert_parallel"] = True
+        kwargs["disable_log_stats"] = False  # the request metrics that hold the time to first token
     if mode == "eager":
         kwargs["enforce_eager"] = True
     elif mode == "native_ladder":
@@ -172,27 +181,30 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
-    times, forwards, hosts = ({n: [] for n in sizes} for _ in range(3))
+    times, forwards, hosts, ttfts = ({n: [] for n in sizes} for _ in range(4))
 
-    def generate(n: int) -> tuple[float, tuple[float, float] | None]:
+    def generate(n: int) -> tuple[float, tuple[float, float] | None, float | None]:
         if barrier is not None:
             barrier.wait()
             n = n if dp_rank == 0 else 1
         prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
         timers.forwards.clear()
         t0 = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
-        return (time.perf_counter() - t0) * 1e3, timers.last_forward()
+        outputs = llm.generate([prompt], params, use_tqdm=False)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        return elapsed, timers.last_forward(), first_token_ms(outputs)
 
     for n in sizes:
         for _ in range(warmup):
             generate(n)
     for n in interleaved(sizes, reps):
-        elapsed, f = generate(n)
+        elapsed, f, ttft = generate(n)
         times[n].append(elapsed)
         if f is not None:
             forwards[n].append(f[0])
             hosts[n].append(f[1])
+        if ttft is not None:
+            ttfts[n].append(ttft)
     e2e = {str(n): statistics.median(times[n]) for n in sizes}
     fwd = {str(n): statistics.median(forwards[n]) for n in sizes if forwards[n]}
     fwd_host = {str(n): statistics.median(hosts[n]) for n in sizes if hosts[n]}
@@ -201,17 +213,33 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
 
     result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp,
               "data_parallel_size": dp}
+    if dp > 1:
+        if not all(ttfts[n] for n in sizes):
+            raise RuntimeError("vLLM returned no request metrics (first_token_latency) under data parallelism")
+        result["ttft_ms"] = {str(n): statistics.median(ttfts[n]) for n in sizes}
     if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30)
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
+    if dp > 1:
+        result["note"] += (f". Under data parallelism generate() returns when the DP wave ends, at least "
+                           f"{DP_WAVE_MIN_STEPS} engine steps after it began, most of them one-token dummy steps: "
+                           "end-to-end time measures those steps more than the prefill; time to first token "
+                           "(vLLM's request metrics) ends with the prefill step")
     if mode == "bcg":
         result["bcg_config"] = kwargs["additional_config"]["bcg"]
         result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
     if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective
         barrier.wait()
     return result
+
+
+def first_token_ms(outputs: Any) -> float | None:
+    """Time to first token of the one request, from vLLM's request metrics (``None`` without them)."""
+    metrics = getattr(outputs[0], "metrics", None) if outputs else None
+    latency = getattr(metrics, "first_token_latency", None)
+    return latency * 1e3 if latency else None
 
 
 def dp_rank_envs(dp: int) -> list[dict[str, str]]:

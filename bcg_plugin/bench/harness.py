@@ -70,6 +70,15 @@ def end_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+# Per-N latency maps a mode may report (N -> ms), with their report headings.
+LATENCY_KEYS = {
+    "e2e_ms": "End-to-end generate() median ms",
+    "ttft_ms": "Time to first token median ms (the engine's request metrics)",
+    "forward_ms": "Model forward median ms (CUDA events)",
+    "forward_host_ms": "Host time issuing the model forward, median ms",
+}
+
+
 def _merge_rounds(rounds: list[dict]) -> dict:
     """One mode's figures over rounds: per-N minimum of the latencies and the minimum of each
     duration in seconds (the least disturbed run; durations drift with the host like latencies do),
@@ -78,7 +87,7 @@ def _merge_rounds(rounds: list[dict]) -> dict:
     if not good:
         return rounds[0]
     merged = dict(good[0])
-    for key in ("e2e_ms", "forward_ms", "forward_host_ms"):
+    for key in LATENCY_KEYS:
         if key in good[0]:
             merged[key] = {n: min(r[key][n] for r in good if n in (r.get(key) or {}))
                            for n in (good[0].get(key) or {})}
@@ -182,19 +191,16 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
            "init and capture seconds are each mode's minimum over rounds." if result.get("rounds", 1) > 1 else "."),
         "",
     ]
-    for key, heading in (("e2e_ms", "End-to-end generate() median ms"),
-                         ("forward_ms", "Model forward median ms (CUDA events)"),
-                         ("forward_host_ms", "Host time issuing the model forward, median ms")):
+    lines += [f"Note ({', '.join(m for m, d in good.items() if d.get('note') == note)}): {note}."
+              for note in dict.fromkeys(d["note"] for d in good.values() if d.get("note"))]
+    if lines[-1] != "":
+        lines.append("")
+    for key, heading in LATENCY_KEYS.items():
         if any(d.get(key) for d in good.values()):
             lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
-    if "bcg" in good and len(good) > 1:
-        others = {m: d["e2e_ms"] for m, d in good.items() if m != "bcg"}
-        ratios = {f"bcg / {m}": {n: _ratio(good["bcg"]["e2e_ms"].get(n), e.get(n)) for n in sizes}
-                  for m, e in others.items()}
-        ratios["bcg / best other"] = {
-            n: _ratio(good["bcg"]["e2e_ms"].get(n), min((e[n] for e in others.values() if n in e), default=None))
-            for n in sizes}
-        lines += ["## End-to-end ratios (below 1: bcg faster)", "", *_table(sizes, ratios, digits=3), ""]
+    for key, heading in (("e2e_ms", "End-to-end ratios"), ("ttft_ms", "Time-to-first-token ratios")):
+        if "bcg" in good and len(good) > 1 and good["bcg"].get(key):
+            lines += [f"## {heading} (below 1: bcg faster)", "", *_table(sizes, _bcg_ratios(good, key, sizes), 3), ""]
     lines += targets.markdown(result["engine"], good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
     extra = " | of which torch's allocator GiB" if split else ""
@@ -209,6 +215,16 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     if failed:
         lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]
     return "\n".join(lines) + "\n"
+
+
+def _bcg_ratios(good: dict, key: str, sizes: list[str]) -> dict[str, dict]:
+    """bcg's ``key`` latency over each other mode's, and over the best of them, per N."""
+    bcg = good["bcg"][key]
+    others = {m: d.get(key) or {} for m, d in good.items() if m != "bcg"}
+    ratios = {f"bcg / {m}": {n: _ratio(bcg.get(n), e.get(n)) for n in sizes} for m, e in others.items()}
+    ratios["bcg / best other"] = {
+        n: _ratio(bcg.get(n), min((e[n] for e in others.values() if n in e), default=None)) for n in sizes}
+    return ratios
 
 
 def _table(sizes: list[str], columns: dict[str, dict], digits: int = 2) -> list[str]:

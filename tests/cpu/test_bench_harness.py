@@ -92,6 +92,31 @@ def test_render_writes_report_and_three_plots(tmp_path):
     assert f"![{stem}-speedup.png]({stem}-speedup.png)" in md and "| 16 | 20.00 | 10.00 |" in md
 
 
+def test_report_shows_time_to_first_token_and_mode_notes_when_present():
+    note = "generate() waits out the DP wave"
+    result = {
+        "engine": "vllm", "engine_version": "0.26.0", "model": {"name": "qwen3-30b-a3b"}, "gpu": "GPU",
+        "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.11.0"}, "sizes": [16], "parallel": {"tp": 1, "dp": 2},
+        "modes": {
+            "eager": {"e2e_ms": {"16": 2000.0}, "ttft_ms": {"16": 40.0}, "note": note},
+            "bcg": {"e2e_ms": {"16": 200.0}, "ttft_ms": {"16": 10.0}, "note": note},
+        },
+    }
+    md = harness.to_markdown(result)
+    assert f"Note (eager, bcg): {note}." in md
+    ttft = md.split("## Time to first token median ms", 1)[1]
+    assert "| 16 | 40.00 | 10.00 |" in ttft
+    assert "| 16 | 0.250 | 0.250 |" in md.split("## Time-to-first-token ratios", 1)[1]
+    assert "| 16 | 0.100 | 0.100 |" in md.split("## End-to-end ratios", 1)[1]
+    del result["modes"]["bcg"]["ttft_ms"], result["modes"]["eager"]["ttft_ms"]
+    assert "Time to first token" not in harness.to_markdown(result)
+
+
+def test_rounds_keep_the_minimum_time_to_first_token():
+    rounds = [{"e2e_ms": {"16": 5.0}, "ttft_ms": {"16": 3.0}}, {"e2e_ms": {"16": 4.0}, "ttft_ms": {"16": 3.5}}]
+    assert harness._merge_rounds(rounds)["ttft_ms"] == {"16": 3.0}
+
+
 def test_targets_are_checked_as_worst_cases_and_missing_modes_are_not_met():
     from bcg_plugin.bench import targets
 

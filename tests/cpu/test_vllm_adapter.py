@@ -493,7 +493,7 @@ def test_bench_engine_kwargs_are_vllm_engine_args(mode):
     args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
     assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
     moe = EngineArgs(**engine_kwargs(mode, "qwen3-30b-a3b", [16, 2048], dp=2))
-    assert moe.enable_expert_parallel
+    assert moe.enable_expert_parallel and not moe.disable_log_stats  # request metrics: time to first token
 
 
 def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_path):
@@ -512,8 +512,10 @@ def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_p
             self.rank = int(threading.current_thread().name)
 
         def generate(self, prompts, params, use_tqdm=False):
+            n = len(prompts[0]["prompt_token_ids"])
             with lock:
-                events.append((self.rank, len(prompts), len(prompts[0]["prompt_token_ids"])))
+                events.append((self.rank, len(prompts), n))
+            return [types.SimpleNamespace(metrics=types.SimpleNamespace(first_token_latency=n / 1e3))]
 
         def collective_rpc(self, name):
             return [[]]
@@ -540,6 +542,17 @@ def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_p
     assert per_rank[1] == [1] * steps and sorted(set(per_rank[0])) == [16, 256]
     assert set(results[0]["e2e_ms"]) == {"16", "256"} and results[0]["data_parallel_size"] == 2
     assert "forward_ms" not in results[0]  # timed in-process only, as at tp > 1
+    # generate() also waits out the DP wave; the time to first token comes from vLLM's request metrics
+    assert results[0]["ttft_ms"] == {"16": 16.0, "256": 256.0}
+
+
+def test_first_token_ms_reads_vllms_request_metrics():
+    from bcg_adapters.vllm.bench import first_token_ms
+
+    out = types.SimpleNamespace(metrics=types.SimpleNamespace(first_token_latency=0.0125))
+    assert first_token_ms([out]) == 12.5
+    assert first_token_ms([types.SimpleNamespace(metrics=None)]) is None  # stats off: no figure, not 0
+    assert first_token_ms([]) is None
 
 
 def test_dp_rank_envs_share_one_rendezvous_and_number_the_ranks():
