@@ -322,3 +322,67 @@ def test_summary_of_a_hung_engine_counts_the_waves_it_finished(tmp_path, monkeyp
     summary = json.loads(path.read_text())
     assert path.parent == tmp_path and path.name.startswith(f"soak-sglang-{gpu_test.MODEL}-")
     assert summary["traffic"] == {"waves_completed": 2} and summary["problems"] == [run["error"]]
+
+
+def test_dp_share_deals_round_robin_and_leaves_ranks_idle_in_small_waves():
+    assert soak.dp_share(5, 0, 2) == [0, 2, 4] and soak.dp_share(5, 1, 2) == [1, 3]
+    assert soak.dp_share(1, 0, 2) == [0] and soak.dp_share(1, 1, 2) == []  # rank 1 idles
+    assert sorted(soak.dp_share(7, 0, 3) + soak.dp_share(7, 1, 3) + soak.dp_share(7, 2, 3)) == list(range(7))
+    with pytest.raises(ValueError, match="rank"):
+        soak.dp_share(3, 2, 2)
+
+
+def _dp_drive(gpu_test, tmp_path, agree_of):
+    """Two DP ranks' drivers in threads; rank 1 always wants to stop at once. Waves per rank."""
+    import threading
+
+    waves, errors = {0: [], 1: []}, []
+
+    def rank_main(rank):
+        steps = gpu_test.DpSteps(tmp_path / "dp", rank, 2)
+        steps.barrier.timeout_s = 5.0
+
+        def generate(requests):
+            waves[rank].append(len(requests))
+            mine = soak.dp_share(len(requests), rank, 2)
+            return [r.max_tokens if i in mine else None for i, r in enumerate(requests)]
+
+        def agree(stop):
+            return agree_of(steps)(stop or rank == 1)
+
+        try:
+            run = gpu_test.drive("soak", lambda: [], generate, soak.GpuMemory("fake", lambda: [1.0]),
+                                 tmp_path / f"p{rank}.jsonl", agree=agree)
+            assert run["short_outputs"] == []  # another rank's requests (None) are not short outputs
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return waves, errors
+
+
+def test_dp_ranks_run_the_same_waves_and_stop_when_rank_0_does(tmp_path, monkeypatch):
+    gpu_test = _load_soak_test()
+    monkeypatch.setenv("BCG_SOAK_SECONDS", "1.0")
+    waves, errors = _dp_drive(gpu_test, tmp_path, lambda steps: steps.agree)
+    assert errors == []
+    assert len(waves[0]) >= 1 and waves[0] == waves[1]
+
+
+def test_dp_ranks_deciding_alone_fall_out_of_step_negative_control(tmp_path, monkeypatch):
+    gpu_test = _load_soak_test()
+    monkeypatch.setenv("BCG_SOAK_SECONDS", "1.0")
+
+    def alone(steps):  # each rank stops on its own wish, still meeting at the barrier
+        def agree(stop):
+            steps.barrier.wait()
+            return stop
+        return agree
+
+    waves, errors = _dp_drive(gpu_test, tmp_path, alone)
+    assert waves[1] == [] and len(waves[0]) >= 1  # rank 1 left at once while rank 0 served waves
+    assert errors and errors[0][0] == 0 and isinstance(errors[0][1], TimeoutError)

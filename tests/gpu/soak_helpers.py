@@ -358,6 +358,14 @@ def lockstep_problem(per_rank: Mapping[int, Any], world: int) -> str | None:
     return None
 
 
+def dp_share(count: int, rank: int, size: int) -> list[int]:
+    """The requests (indices into a wave of ``count``) that data-parallel rank ``rank`` of ``size``
+    serves: round-robin, so a wave of fewer requests than ranks leaves the last ranks idle."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in 0..{size - 1}, got {rank}")
+    return list(range(rank, count, size))
+
+
 # -- result file -----------------------------------------------------------------------------------
 
 
