@@ -308,12 +308,12 @@ def run_engine(engine: str, role: str, tmp: Path, timeout_s: float, model_path: 
     for proc in procs:  # each engine process and whatever it left running (workers, schedulers) in its group
         end_group(proc)
         proc.wait()
-    results = []
-    for name, proc in zip(names, procs):
-        result = _engine_result(name, proc, tmp, timeout_s, timed_out)
-        if "error" in result:
-            return result
-        results.append(result)
+    results = [_engine_result(name, proc, tmp, timeout_s, timed_out) for name, proc in zip(names, procs)]
+    failed = [r for r in results if "error" in r]
+    if failed:  # every failing rank: the first to fail and the peers it left waiting
+        return {"error": "; ".join(r["error"] for r in failed),
+                "log": "\n".join(f"--- {r['name']} ---\n{r['log'][-6000 // len(failed):]}" for r in failed),
+                "events": results[0].get("events", [])}
     run = results[0]
     for other in results[1:]:
         run["short_outputs"] = run.get("short_outputs", []) + other.get("short_outputs", [])
@@ -336,7 +336,7 @@ def _engine_result(name: str, proc: subprocess.Popen, tmp: Path, timeout_s: floa
         error = f"the {name} engine process failed (exit {proc.returncode}) in {phase}"
     else:
         return json.loads(out.read_text())
-    return {"error": error, "log": tail, "events": events}
+    return {"error": error, "log": tail, "events": events, "name": name}
 
 
 def _need_gpus(n: int) -> None:
