@@ -39,6 +39,10 @@ class BcgConfig:
             ``"first_bucket"`` warms up only the first (largest) bucket and captures the others
             directly, retrying a bucket after its own warm-up if its direct capture fails. The
             vLLM adapter defaults to ``"first_bucket"``, verified there by its engine tests.
+        torch_compile: keep the host's torch.compile of the model body and capture the compiled code,
+            attention still the eager break, so graph-bound sizes get the compiler's fused kernels
+            too. vLLM only (its piecewise compilation already splits the body at attention); off,
+            the adapter turns torch.compile off and captures the plain PyTorch model.
     """
 
     enable: bool = False
@@ -47,6 +51,7 @@ class BcgConfig:
     max_padding_ratio: float | None = None
     capture_failure: str = "eager"
     warmup: str = "every_bucket"
+    torch_compile: bool = False
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None, *, source: str = "bcg config") -> BcgConfig:
@@ -80,6 +85,8 @@ class BcgConfig:
             if mode not in ("eager", "raise"):
                 raise BcgConfigError(f"{source}: 'capture_failure' must be \"eager\" or \"raise\", got {mode!r}")
             values["capture_failure"] = mode
+        if "torch_compile" in raw:
+            values["torch_compile"] = _bool(raw["torch_compile"], "torch_compile", source)
         if "warmup" in raw:
             policy = raw["warmup"]
             if policy not in WARMUP_POLICIES:

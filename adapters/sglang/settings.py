@@ -44,6 +44,11 @@ def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:
     """The validated core config from ``BCG_*``; raises :class:`BcgConfigError` naming the key."""
     env = os.environ if environ is None else environ
     config = BcgConfig.from_env(env) or BcgConfig()
+    if config.torch_compile:
+        raise BcgConfigError(
+            "environment (BCG_*): 'torch_compile' is supported with vLLM only; bcg on SGLang captures the "
+            "model as SGLang runs it. Unset BCG_TORCH_COMPILE"
+        )
     stats_interval(env)  # validate the adapter's own key alongside the core's
     return config
 

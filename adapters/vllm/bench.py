@@ -1,7 +1,8 @@
 """One vLLM benchmark mode in this process: ``python -m bcg_adapters.vllm.bench --mode M ...``.
 
 Modes: ``eager`` (enforce_eager), ``native`` (vLLM's breakable graphs, default sizes), ``native_ladder``
-(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg``.
+(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg``, and
+``bcg_compile`` (bcg with ``torch_compile``: its graphs capture vLLM's default piecewise compilation).
 Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
 ``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
 wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
@@ -44,7 +45,7 @@ from typing import Any
 from bcg_plugin.bench.order import interleaved
 from bcg_plugin.bench.ranks import FileBarrier
 
-MODES = ("eager", "native", "native_ladder", "compile", "bcg")
+MODES = ("eager", "native", "native_ladder", "compile", "bcg", "bcg_compile")
 # vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
 # (EngineCore._has_global_unfinished_reqs in 0.26): the floor of a DP request's generate() time.
 DP_WAVE_MIN_STEPS = 32
@@ -156,6 +157,8 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
                                         "max_cudagraph_capture_size": chunk}
     elif mode == "bcg":
         kwargs["additional_config"] = {"bcg": bench_bcg_config()}
+    elif mode == "bcg_compile":  # bcg over vLLM's default (-O2) piecewise compilation
+        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": True}}
     return kwargs
 
 
@@ -164,7 +167,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     _env_for(mode, in_process=dp == 1)
     from vllm import LLM, SamplingParams
 
-    if mode == "bcg":
+    if mode.startswith("bcg"):
         # Installed now (the engine would install them at worker start) so the timers wrap them.
         from bcg_adapters.vllm import plugin
 
@@ -227,7 +230,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
                            f"{DP_WAVE_MIN_STEPS} engine steps after it began, most of them one-token dummy steps: "
                            "end-to-end time measures those steps more than the prefill; time to first token "
                            "(vLLM's request metrics) ends with the prefill step")
-    if mode == "bcg":
+    if mode.startswith("bcg"):
         result["bcg_config"] = kwargs["additional_config"]["bcg"]
         result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
     if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective

@@ -77,17 +77,43 @@ def unsupported_reason(vllm_config: Any) -> str | None:
     return None
 
 
+# With torch_compile: unset (vLLM's default, VLLM_COMPILE from -O1 up), NONE (-O0: nothing to
+# compile) or VLLM_COMPILE (piecewise, split at attention); the other modes compile the whole body
+# as one graph around the attention op.
+COMPILE_MODES_CAPTURED = ("NONE", "VLLM_COMPILE")
+ATTENTION_OP = "vllm::unified_attention_with_output"  # bcg's eager break: called between compiled pieces
+
+
+def compile_problem(compilation_config: Any) -> str | None:
+    """Why bcg cannot capture this compilation layout with ``torch_compile``, or ``None``."""
+    cc = compilation_config
+    mode = getattr(cc.mode, "name", cc.mode)
+    if cc.mode is not None and mode not in COMPILE_MODES_CAPTURED:
+        return f"compilation mode {mode} with torch_compile (use the default -O2 or -cc.mode=VLLM_COMPILE)"
+    if getattr(cc, "use_inductor_graph_partition", False):
+        return "use_inductor_graph_partition with torch_compile (attention must stay a splitting op)"
+    splitting = getattr(cc, "splitting_ops", None)
+    if splitting is not None and getattr(cc.mode, "name", None) == "VLLM_COMPILE" and ATTENTION_OP not in splitting:
+        return f"splitting_ops without {ATTENTION_OP} with torch_compile (attention must stay a splitting op)"
+    return None
+
+
 def prefill_graphs_wanted(vllm_config: Any) -> bool:
-    """Enabled, not excluded, and the front-end put the launch flags in place (torch.compile off).
+    """Enabled, not excluded, and the front-end put the launch flags in place (torch.compile off, or
+    vLLM's piecewise compilation with ``torch_compile``).
 
     The last condition keeps a worker from capturing around a compiled model when the config was
     built in a process where the plugin was not loaded (e.g. filtered out by ``VLLM_PLUGINS``).
     """
-    if not bcg_config(vllm_config).active or unsupported_reason(vllm_config) is not None:
+    cfg = bcg_config(vllm_config)
+    if not cfg.active or unsupported_reason(vllm_config) is not None:
         return False
     from vllm.config.compilation import CompilationMode
 
-    return vllm_config.compilation_config.mode == CompilationMode.NONE
+    cc = vllm_config.compilation_config
+    if cc.mode == CompilationMode.NONE:
+        return True
+    return cfg.torch_compile and cc.mode == CompilationMode.VLLM_COMPILE and compile_problem(cc) is None
 
 
 def _attr(obj: Any, name: str, default: Any) -> Any:

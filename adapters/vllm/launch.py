@@ -4,7 +4,10 @@ Runs at the top of ``VllmConfig.__post_init__`` (in the front-end, where the con
 the launch flags bcg needs are in place before vLLM applies its optimisation-level defaults:
 
 * ``compilation_config.mode = NONE``: no torch.compile; the model runs as plain PyTorch and bcg
-  captures it directly (the same as ``-O0`` / ``-cc.mode=NONE``);
+  captures it directly (the same as ``-O0`` / ``-cc.mode=NONE``). With ``torch_compile`` the mode
+  stays as vLLM sets it (``VLLM_COMPILE`` at the default ``-O2``): vLLM's piecewise compilation
+  splits the body at attention and the KV-cache write, bcg captures the compiled pieces and the
+  write, and attention stays the eager break;
 * ``compilation_config.cudagraph_mode = FULL_DECODE_ONLY`` unless the user chose ``NONE``: vLLM keeps
   its own FULL graphs for uniform decode batches, and every other batch is dispatched to bcg.
   Modes with piecewise graphs would be downgraded to ``NONE`` by vLLM without torch.compile, which
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bcg_adapters.vllm.config import bcg_config, raw_bcg_config, unsupported_reason
+from bcg_adapters.vllm.config import bcg_config, compile_problem, raw_bcg_config, unsupported_reason
 from bcg_adapters.vllm.log import logger
 
 _logged: set[str] = set()
@@ -44,7 +47,12 @@ def configure_engine(vllm_config: Any) -> None:
 
     cc = vllm_config.compilation_config
     changed = []
-    if cc.mode != CompilationMode.NONE:
+    if cfg.torch_compile:
+        problem = compile_problem(cc)
+        if problem is not None:
+            _log_once("warning", "bcg: prefill graphs stay off for this engine: %s", problem)
+            return
+    elif cc.mode != CompilationMode.NONE:
         changed.append(f"compilation mode {getattr(cc.mode, 'name', 'default')} -> NONE")
         cc.mode = CompilationMode.NONE
     if cc.cudagraph_mode not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):

@@ -28,7 +28,7 @@ from bcg_plugin.bench.report import (
 
 ENGINES = {
     "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
-             "modes": ["eager", "native", "native_ladder", "compile", "bcg"]},
+             "modes": ["eager", "native", "native_ladder", "compile", "bcg", "bcg_compile"]},
     "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang",
                "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
 }

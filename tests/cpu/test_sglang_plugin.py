@@ -135,7 +135,8 @@ def test_unknown_version_warns_once_and_patches_nothing(monkeypatch, caplog):
      ({"BCG_ENABLE": "maybe"}, "'enable'"), ({"BCG_MAX_PADDING_RATIO": "0.5"}, "'max_padding_ratio'"),
      ({"BCG_CAPTURE_FAILURE": "ignore"}, "'capture_failure'"),
      ({"BCG_STATS_INTERVAL_S": "soon"}, "'BCG_STATS_INTERVAL_S'"),
-     ({"BCG_SIZES": "16,4096", "BCG_MAX_TOKENS": "2048"}, "'sizes'")],
+     ({"BCG_SIZES": "16,4096", "BCG_MAX_TOKENS": "2048"}, "'sizes'"),
+     ({"BCG_ENABLE": "1", "BCG_TORCH_COMPILE": "1"}, "'torch_compile' is supported with vLLM only")],
 )
 def test_config_errors_name_the_key(env, key):
     with pytest.raises(BcgConfigError) as e:

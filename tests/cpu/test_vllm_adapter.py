@@ -134,6 +134,7 @@ def test_patch_sets_apply_and_unapply_cleanly():
     ({"enable": True, "sizes": [16, 4096], "max_tokens": 1024}, "sizes"),
     ({"enable": True, "capture_failure": "ignore"}, "capture_failure"),
     ({"enable": True, "warmup": "never"}, "warmup"),
+    ({"enable": True, "torch_compile": "maybe"}, "torch_compile"),
 ])
 def test_config_errors_name_the_key(model_config, raw, key):
     plugin.register()
@@ -168,16 +169,51 @@ def test_enabling_turns_torch_compile_off(model_config):
     (None, "FULL_DECODE_ONLY"), ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"), ("PIECEWISE", "FULL_DECODE_ONLY"),
     ("NONE", "NONE"), ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
 ])
-def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected):
+@pytest.mark.parametrize("torch_compile", [False, True])
+def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected, torch_compile):
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     cc = CompilationConfig(cudagraph_mode=None if user_mode is None else CUDAGraphMode[user_mode])
-    cfg = types.SimpleNamespace(additional_config={"bcg": {"enable": True}}, compilation_config=cc,
-                                model_config=model_config)
+    cfg = types.SimpleNamespace(additional_config={"bcg": {"enable": True, "torch_compile": torch_compile}},
+                                compilation_config=cc, model_config=model_config)
     launch.configure_engine(cfg)
-    assert cc.mode == CompilationMode.NONE
+    assert cc.mode == (None if torch_compile else CompilationMode.NONE)  # vLLM's default applies later
     assert cc.cudagraph_mode == CUDAGraphMode[expected]
+
+
+def test_torch_compile_keeps_vllms_piecewise_compilation(model_config):
+    from vllm.config.compilation import CompilationMode
+
+    from bcg_adapters.vllm.config import ATTENTION_OP, prefill_graphs_wanted
+
+    plugin.register()
+    cfg = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": True}})
+    cc = cfg.compilation_config
+    assert cc.mode == CompilationMode.VLLM_COMPILE  # (cudagraph_mode: vLLM's CPU platform turns graphs off)
+    assert ATTENTION_OP in cc.splitting_ops  # attention stays a call between compiled pieces: the break
+    assert prefill_graphs_wanted(cfg)
+    plain = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    assert plain.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(plain)
+
+
+@pytest.mark.parametrize("compilation, reason", [
+    ({"mode": 1}, "compilation mode STOCK_TORCH_COMPILE"),
+    ({"mode": 3, "use_inductor_graph_partition": True}, "use_inductor_graph_partition"),
+    ({"mode": 3, "splitting_ops": []}, "splitting_ops without vllm::unified_attention_with_output"),
+])
+def test_torch_compile_layouts_bcg_cannot_capture_stay_off(model_config, caplog, compilation, reason):
+    from vllm.config import CompilationConfig
+
+    from bcg_adapters.vllm.config import prefill_graphs_wanted
+
+    plugin.register()
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = make_config(model_config, compilation_config=CompilationConfig(**compilation),
+                          additional_config={"bcg": {"enable": True, "torch_compile": True}})
+    records = bcg_records(caplog)
+    assert len(records) == 1 and records[0].levelno == logging.WARNING and reason in records[0].getMessage()
+    assert not prefill_graphs_wanted(cfg)
 
 
 @pytest.mark.parametrize("extra, reason", [

@@ -74,6 +74,8 @@ ENGINES = {
     "bcg_fa_v1": {"backend": "FLASH_ATTN", "bcg": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
     "eager_triton": {"backend": "TRITON_ATTN", "bcg": False},
     "bcg_triton": {"backend": "TRITON_ATTN", "bcg": True},
+    # bcg over vLLM's default piecewise compilation (torch_compile): compiled pieces captured
+    "bcg_fa_compile": {"backend": "FLASH_ATTN", "bcg": True, "torch_compile": True},
 }
 
 
@@ -121,6 +123,8 @@ def run_engine(name: str, out: Path) -> None:
         from bcg_adapters.vllm.bench import bench_bcg_config
 
         kwargs["additional_config"] = {"bcg": bench_bcg_config()}  # enabled, plus any BCG_* key set
+        if spec.get("torch_compile"):
+            kwargs["additional_config"]["bcg"]["torch_compile"] = True
     else:
         kwargs["enforce_eager"] = True
     llm = LLM(**kwargs)
@@ -286,6 +290,7 @@ def _assert_bcg_ran(run: dict) -> None:
 
 @pytest.mark.parametrize("bcg_name, ref_name", [
     ("bcg_fa", "eager_fa"), ("bcg_fa_v1", "eager_fa_v1"), ("bcg_triton", "eager_triton"),
+    ("bcg_fa_compile", "eager_fa"),
 ])
 def test_bcg_matches_eager(engines, bcg_name, ref_name):
     ref = _ok(engines(ref_name), ref_name)
