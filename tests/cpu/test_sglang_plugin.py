@@ -434,3 +434,33 @@ def test_stale_metadata_knob_never_plans_from_an_idle_dp_forward():
     assert planned == [extend]  # an idle forward's metadata is decode-shaped: never reused
     r._plan_attention(types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * 8))
     assert planned[-1] is extend  # the negative control still reuses a previous extend's plan
+
+
+def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatch):
+    """BCG_TEST_RESULTS_DIR: an engine that finished in one command is not run again in the next."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    gpu_tests = Path(__file__).resolve().parents[1] / "gpu"
+    sys.path.insert(0, str(gpu_tests))
+    try:
+        spec = importlib.util.spec_from_file_location("bcg_sglang_gpu_module", gpu_tests / "test_sglang_gpu.py")
+        gpu_test = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(gpu_test)
+    finally:
+        sys.path.remove(str(gpu_tests))
+    calls = []
+
+    def run():
+        calls.append(1)
+        return {"results": [{"input_token_logprobs": [(-1.5, 7, None)]}], "forwards": []}
+
+    monkeypatch.setattr(gpu_test, "RESULTS_DIR", None)
+    assert gpu_test.kept("eager", run) == gpu_test.kept("eager", run) and len(calls) == 2  # no dir: runs each time
+    monkeypatch.setattr(gpu_test, "RESULTS_DIR", str(tmp_path))
+    first = gpu_test.kept("eager", run)
+    again = gpu_test.kept("eager", run)
+    assert len(calls) == 3 and first == again == {"results": [{"input_token_logprobs": [[-1.5, 7, None]]}],
+                                                  "forwards": []}
+    assert [p.name for p in tmp_path.iterdir()] == [f"sglang-eager-{gpu_test.MODEL}-tp{gpu_test.TP}-dp{gpu_test.DP}.json"]

@@ -17,7 +17,8 @@ padded-replay error on hidden states is <= 2e-2 relative, well under TOL.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_plugin.bench.models``.
-Every rank must replay the same buckets in the same order.
+Every rank must replay the same buckets in the same order. ``BCG_TEST_RESULTS_DIR`` keeps each
+engine's outputs there and reuses them, so the three engines can run in separate commands.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ TP = int(os.environ.get("BCG_TEST_TP", "1"))
 DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget between the DP ranks
+RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 
 
 def model_config() -> dict:
@@ -257,12 +259,26 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 # -- tests -------------------------------------------------------------------------------------
 
 
+def kept(name: str, run) -> dict:
+    """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there."""
+    path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}.json" if RESULTS_DIR else None
+    if path is not None and path.exists():
+        return json.loads(path.read_text())
+    text = json.dumps(run(), default=str)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(text)
+        os.replace(path.with_suffix(".tmp"), path)  # never a half-written result to reuse
+    return json.loads(text)
+
+
 @pytest.fixture(scope="module")
 def runs(checkpoint):
     waves, probes = workload(), probe_requests()
-    eager = run_engine(checkpoint, "disabled", waves, probes)
-    bcg = run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1")
-    stale = run_engine(checkpoint, "bcg", [], probes, BCG_TEST_STALE_METADATA="1", BCG_SIZES=STALE_SIZES)
+    eager = kept("eager", lambda: run_engine(checkpoint, "disabled", waves, probes))
+    bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1"))
+    stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_TEST_STALE_METADATA="1",
+                                             BCG_SIZES=STALE_SIZES))
     spread = spread_of(eager["results"] + eager["probes"])
     print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread")
     return {"eager": eager, "bcg": bcg, "stale": stale, "spread": spread}
