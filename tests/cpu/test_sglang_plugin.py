@@ -463,4 +463,5 @@ def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatc
     again = gpu_test.kept("eager", run)
     assert len(calls) == 3 and first == again == {"results": [{"input_token_logprobs": [[-1.5, 7, None]]}],
                                                   "forwards": []}
-    assert [p.name for p in tmp_path.iterdir()] == [f"sglang-eager-{gpu_test.MODEL}-tp{gpu_test.TP}-dp{gpu_test.DP}.json"]
+    layout = f"{gpu_test.MODEL}-tp{gpu_test.TP}-dp{gpu_test.DP}"
+    assert [p.name for p in tmp_path.iterdir()] == [f"sglang-eager-{layout}.json"]
