@@ -386,3 +386,34 @@ def test_dp_ranks_deciding_alone_fall_out_of_step_negative_control(tmp_path, mon
     waves, errors = _dp_drive(gpu_test, tmp_path, alone)
     assert waves[1] == [] and len(waves[0]) >= 1  # rank 1 left at once while rank 0 served waves
     assert errors and errors[0][0] == 0 and isinstance(errors[0][1], TimeoutError)
+
+
+FAKE_ENGINE = """
+import json, os, sys
+engine, role, out, progress = sys.argv[1:5]
+rank = int(os.environ.get("VLLM_DP_RANK", "0"))
+print("engine", engine, role, "rank", rank, "barrier", bool(os.environ.get("BCG_SOAK_DP_BARRIER")))
+if os.environ.get("FAIL_RANK") == str(rank):
+    sys.exit(3)
+json.dump({"bcg": [{"rank": rank, "mp": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]}],
+           "short_outputs": [{"rank": rank}] if rank else []}, open(out, "w"))
+"""
+
+
+def test_dp_soak_starts_one_process_per_rank_and_merges_them(tmp_path, monkeypatch):
+    gpu_test = _load_soak_test()
+    script = tmp_path / "fake_engine.py"
+    script.write_text(FAKE_ENGINE)
+    monkeypatch.setattr(gpu_test, "__file__", str(script))
+    monkeypatch.setattr(gpu_test, "DP", 2)
+    monkeypatch.delenv("FAIL_RANK", raising=False)
+    run = gpu_test.run_engine("vllm", "soak", tmp_path, timeout_s=60)
+    assert "error" not in run, run
+    assert run["bcg_per_dp_rank"] == [[{"rank": 0, "mp": "1"}], [{"rank": 1, "mp": "1"}]]
+    assert run["short_outputs"] == [{"rank": 1}]  # every rank's short outputs reach the checks
+    assert "barrier True" in (tmp_path / "soak.rank1.log").read_text()
+
+    monkeypatch.setenv("FAIL_RANK", "1")
+    failed = gpu_test.run_engine("vllm", "reference", tmp_path, timeout_s=60)
+    assert "reference.rank1 engine process failed (exit 3)" in failed["error"]
+    assert "reference.rank0" not in failed["error"] and "--- reference.rank1 ---" in failed["log"]
