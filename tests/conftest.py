@@ -1,10 +1,14 @@
+import importlib.util
 import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 SOAK_ENV = "BCG_SOAK_SECONDS"
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
 
 
 def soak_requested(markexpr: str, environ) -> bool:
@@ -28,3 +32,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu_test_module():
+    """Loads ``tests/gpu/<name>.py`` as a module for CPU tests of its engine-free parts (its
+    neighbours importable while it loads, as under pytest)."""
+
+    def load(name: str):
+        sys.path.insert(0, str(GPU_TESTS))
+        try:
+            spec = importlib.util.spec_from_file_location(f"bcg_{name}_module", GPU_TESTS / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(GPU_TESTS))
+        return module
+
+    return load

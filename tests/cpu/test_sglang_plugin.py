@@ -436,20 +436,9 @@ def test_stale_metadata_knob_never_plans_from_an_idle_dp_forward():
     assert planned[-1] is extend  # the negative control still reuses a previous extend's plan
 
 
-def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatch):
+def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatch, gpu_test_module):
     """BCG_TEST_RESULTS_DIR: an engine that finished in one command is not run again in the next."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    gpu_tests = Path(__file__).resolve().parents[1] / "gpu"
-    sys.path.insert(0, str(gpu_tests))
-    try:
-        spec = importlib.util.spec_from_file_location("bcg_sglang_gpu_module", gpu_tests / "test_sglang_gpu.py")
-        gpu_test = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(gpu_test)
-    finally:
-        sys.path.remove(str(gpu_tests))
+    gpu_test = gpu_test_module("test_sglang_gpu")
     calls = []
 
     def run():

@@ -266,19 +266,8 @@ def test_soak_runs_only_when_selected(args, reason):
 # -- the soak's driver and summary with a fake engine ----------------------------------------------
 
 
-def _load_soak_test():
-    sys.path.insert(0, str(GPU_TESTS))  # test_soak_gpu imports its neighbours, as under pytest
-    try:
-        spec = importlib.util.spec_from_file_location("bcg_soak_gpu_module", GPU_TESTS / "test_soak_gpu.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(GPU_TESTS))
-    return module
-
-
-def test_driver_runs_waves_until_time_and_records_everything(tmp_path, monkeypatch):
-    gpu_test = _load_soak_test()
+def test_driver_runs_waves_until_time_and_records_everything(tmp_path, monkeypatch, gpu_test_module):
+    gpu_test = gpu_test_module("test_soak_gpu")
     monkeypatch.setenv("BCG_SOAK_SECONDS", "1.5")
     probes, seen, used = [], [], iter(range(10_000, 100_000, 10))
 
@@ -309,8 +298,8 @@ def test_driver_runs_waves_until_time_and_records_everything(tmp_path, monkeypat
     assert {"date", "gpu", "torch", "env", "memory", "probes", "bcg", "seconds_run"} <= summary.keys()
 
 
-def test_summary_of_a_hung_engine_counts_the_waves_it_finished(tmp_path, monkeypatch):
-    gpu_test = _load_soak_test()
+def test_summary_of_a_hung_engine_counts_the_waves_it_finished(tmp_path, monkeypatch, gpu_test_module):
+    gpu_test = gpu_test_module("test_soak_gpu")
     run = {"error": "hang: wave 2 (...) did not finish within its deadline", "log": "stacks",
            "events": [{"event": "done", "phase": "wave 0"}, {"event": "done", "phase": "wave 1"},
                       {"event": "start", "phase": "wave 2", "t": 9.0}]}
@@ -365,16 +354,16 @@ def _dp_drive(gpu_test, tmp_path, agree_of):
     return waves, errors
 
 
-def test_dp_ranks_run_the_same_waves_and_stop_when_rank_0_does(tmp_path, monkeypatch):
-    gpu_test = _load_soak_test()
+def test_dp_ranks_run_the_same_waves_and_stop_when_rank_0_does(tmp_path, monkeypatch, gpu_test_module):
+    gpu_test = gpu_test_module("test_soak_gpu")
     monkeypatch.setenv("BCG_SOAK_SECONDS", "1.0")
     waves, errors = _dp_drive(gpu_test, tmp_path, lambda steps: steps.agree)
     assert errors == []
     assert len(waves[0]) >= 1 and waves[0] == waves[1]
 
 
-def test_dp_ranks_deciding_alone_fall_out_of_step_negative_control(tmp_path, monkeypatch):
-    gpu_test = _load_soak_test()
+def test_dp_ranks_deciding_alone_fall_out_of_step_negative_control(tmp_path, monkeypatch, gpu_test_module):
+    gpu_test = gpu_test_module("test_soak_gpu")
     monkeypatch.setenv("BCG_SOAK_SECONDS", "1.0")
 
     def alone(steps):  # each rank stops on its own wish, still meeting at the barrier
@@ -400,8 +389,8 @@ json.dump({"bcg": [{"rank": rank, "mp": os.environ["VLLM_ENABLE_V1_MULTIPROCESSI
 """
 
 
-def test_dp_soak_starts_one_process_per_rank_and_merges_them(tmp_path, monkeypatch):
-    gpu_test = _load_soak_test()
+def test_dp_soak_starts_one_process_per_rank_and_merges_them(tmp_path, monkeypatch, gpu_test_module):
+    gpu_test = gpu_test_module("test_soak_gpu")
     script = tmp_path / "fake_engine.py"
     script.write_text(FAKE_ENGINE)
     monkeypatch.setattr(gpu_test, "__file__", str(script))
