@@ -47,11 +47,15 @@ class HostBatch:
         inputs: per-row tensors keyed like ``bcg_static_inputs``, at least ``num_tokens`` rows.
         payload: whatever the adapter's breaks and logits tail read (attention metadata, the
             host's forward batch); bound as :attr:`bcg_plugin.live.LiveBatch.payload`.
+        requested_tokens: the rows that carry requests, for the counters only, when fewer than
+            ``num_tokens`` (an idle data-parallel rank's padded forward lands every row and
+            carries none: 0); ``None`` means all ``num_tokens``.
     """
 
     num_tokens: int
     inputs: dict[str, torch.Tensor]
     payload: Any = None
+    requested_tokens: int | None = None
 
 
 class BcgHostSpec:

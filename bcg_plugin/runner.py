@@ -274,7 +274,8 @@ class PrefillGraphRunner:
         self._land(batch, bucket)
         with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload)):
             graph.replay()
-        self.stats.record_replay(bucket, batch.num_tokens)
+        requested = batch.num_tokens if batch.requested_tokens is None else batch.requested_tokens
+        self.stats.record_replay(bucket, requested)
         hidden = self._output[: batch.num_tokens]
         tail = self._logits_tail(hidden=hidden, batch=batch) if self._logits_tail is not None else None
         return hidden if tail is None else tail

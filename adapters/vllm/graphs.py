@@ -141,8 +141,9 @@ class VllmPrefillGraphs:
             return None  # a size vLLM padded to on its own (V1 DP re-dispatch): no graph for it
         if any(v is not None for k, v in model_inputs.items() if k not in _GRAPH_INPUTS):
             return None  # extra model inputs (intermediate tensors, model kwargs) are not captured
+        requested = None
         if dummy and context.attn_metadata is None:
-            num_tokens = bucket
+            num_tokens, requested = bucket, 0
         else:
             num_tokens = _num_actual_tokens(context.attn_metadata)
         if num_tokens is None or not 0 < num_tokens <= bucket:
@@ -156,7 +157,7 @@ class VllmPrefillGraphs:
             return None  # the graph embeds token ids itself; embeddings from the host were not captured
         payload = self.host.capture_contexts[bucket] if self.stale_metadata else context
         inputs = {k: model_inputs.get(k) for k in _GRAPH_INPUTS if model_inputs.get(k) is not None}
-        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload)
+        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload, requested_tokens=requested)
 
     def close(self) -> None:
         self.runner.close()

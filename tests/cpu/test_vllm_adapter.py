@@ -394,6 +394,7 @@ def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding()
               "inputs_embeds": None, "intermediate_tensors": None}
     batch = graphs._host_batch(context, inputs, 64, dummy=True)
     assert batch is not None and batch.num_tokens == 64 and batch.payload is context
+    assert batch.requested_tokens == 0  # counted as padding, not as 64 real tokens
     assert graphs._host_batch(context, inputs, 64) is None  # a real step always has metadata
     assert graphs._host_batch(context, inputs, 48, dummy=True) is None  # no graph at that size
 

@@ -7,6 +7,7 @@ layers, GEMMs of a different row count may pick other kernels and reduction orde
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import random
 
@@ -115,6 +116,10 @@ def test_same_shape_replay_is_bitwise_and_check_catches_one_flipped_value(model,
     assert matches_eager(out, ref, True)
     out[7, 3] += 1
     assert not matches_eager(out, ref, True)
+    # An idle data-parallel rank's padded forward: every row landed, none counted as requested.
+    real, padded = ladder_runner.stats.real_tokens, ladder_runner.stats.padded_tokens
+    ladder_runner.replay(256, dataclasses.replace(batch, requested_tokens=0))
+    assert (ladder_runner.stats.real_tokens, ladder_runner.stats.padded_tokens) == (real, padded + 256)
 
 
 def test_capture_a_b_then_replay_a_b_a_with_allocator_churn(model):
