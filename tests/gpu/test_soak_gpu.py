@@ -202,7 +202,7 @@ def vllm_engine(role: str, progress: Path) -> dict:
                 for c in (o.outputs[0] for o in outs)]
 
     def generate(requests: list[soak.Request]) -> list[int | None]:
-        mine = soak.dp_share(len(requests), rank, DP) if steps is not None else list(range(len(requests)))
+        mine = soak.dp_share(len(requests), rank, DP)
         produced: list[int | None] = [None] * len(requests)
         if not mine:
             llm.generate(*placeholder, use_tqdm=False)

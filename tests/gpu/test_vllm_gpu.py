@@ -50,6 +50,7 @@ from pathlib import Path
 
 import dummy_weights
 import pytest
+import soak_helpers as soak
 
 from bcg_plugin.bench.ranks import FileBarrier
 
@@ -100,7 +101,7 @@ def workload(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
 def dp_share(rank: int, size: int, first: list, second: list) -> tuple[list[int], list[int]]:
     """Indices (into the concatenated waves) that DP rank ``rank`` of ``size`` serves: the first
     wave round-robin, the second on rank 0 alone (the other ranks idle through most of it)."""
-    ones = [i for i in range(len(first)) if i % size == rank]
+    ones = soak.dp_share(len(first), rank, size)
     twos = [len(first) + i for i in range(len(second))] if rank == 0 else []
     return ones, twos
 
