@@ -216,16 +216,15 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
 
     result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp,
               "data_parallel_size": dp}
-    if dp > 1:
-        if not all(ttfts[n] for n in sizes):
-            raise RuntimeError("vLLM returned no request metrics (first_token_latency) under data parallelism")
-        result["ttft_ms"] = {str(n): statistics.median(ttfts[n]) for n in sizes}
     if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30)
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
     if dp > 1:
+        if not all(ttfts[n] for n in sizes):
+            raise RuntimeError("vLLM returned no request metrics (first_token_latency) under data parallelism")
+        result["ttft_ms"] = {str(n): statistics.median(ttfts[n]) for n in sizes}
         result["note"] += (f". Under data parallelism generate() returns when the DP wave ends, at least "
                            f"{DP_WAVE_MIN_STEPS} engine steps after it began, most of them one-token dummy steps: "
                            "end-to-end time measures those steps more than the prefill; time to first token "

@@ -93,7 +93,7 @@ def compile_problem(compilation_config: Any) -> str | None:
     if getattr(cc, "use_inductor_graph_partition", False):
         return "use_inductor_graph_partition with torch_compile (attention must stay a splitting op)"
     splitting = getattr(cc, "splitting_ops", None)
-    if splitting is not None and getattr(cc.mode, "name", None) == "VLLM_COMPILE" and ATTENTION_OP not in splitting:
+    if splitting is not None and mode == "VLLM_COMPILE" and ATTENTION_OP not in splitting:
         return f"splitting_ops without {ATTENTION_OP} with torch_compile (attention must stay a splitting op)"
     return None
 

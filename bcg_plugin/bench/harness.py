@@ -191,10 +191,10 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
            "init and capture seconds are each mode's minimum over rounds." if result.get("rounds", 1) > 1 else "."),
         "",
     ]
-    lines += [f"Note ({', '.join(m for m, d in good.items() if d.get('note') == note)}): {note}."
-              for note in dict.fromkeys(d["note"] for d in good.values() if d.get("note"))]
-    if lines[-1] != "":
-        lines.append("")
+    notes = [f"Note ({', '.join(m for m, d in good.items() if d.get('note') == note)}): {note}."
+             for note in dict.fromkeys(d["note"] for d in good.values() if d.get("note"))]
+    if notes:
+        lines += [*notes, ""]
     for key, heading in LATENCY_KEYS.items():
         if any(d.get(key) for d in good.values()):
             lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
