@@ -7,6 +7,8 @@
 - :class:`Progress` and :class:`Watchdog`: every phase of the engine process is logged before it
   starts; one that outlives its deadline ends the process, so a hang is reported by name.
 - :func:`lockstep_problem`: ranks that did not replay alike.
+- :func:`run_in_groups` and :func:`dp_share`: engine processes (one per DP rank) under one deadline, and
+  the requests each DP rank serves.
 
 No torch or engine import at module level: the CPU tests import this module.
 """
@@ -356,6 +358,32 @@ def lockstep_problem(per_rank: Mapping[int, Any], world: int) -> str | None:
         return (f"rank {rank} replayed {len(other)} forwards, rank 0 {len(reference)}; first difference at replay "
                 f"{first}: rank 0 {list(reference[first:first + 3])}, rank {rank} {list(other[first:first + 3])}")
     return None
+
+
+def run_in_groups(commands: Sequence[tuple[list[str], Mapping[str, str], Path]],
+                  timeout_s: float) -> tuple[list[subprocess.Popen], bool]:
+    """Start every command (argv, environment, log file) in a process group of its own, wait for all
+    of them under one deadline, then end every group, so the workers an engine process started end
+    with it. The finished processes, and whether the deadline passed."""
+    from bcg_plugin.bench.harness import end_group
+
+    procs = []
+    for cmd, env, log in commands:
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, env=dict(env), stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            break
+    for proc in procs:
+        end_group(proc)
+        proc.wait()
+    return procs, timed_out
 
 
 def dp_share(count: int, rank: int, size: int) -> list[int]:

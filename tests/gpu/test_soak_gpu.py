@@ -77,7 +77,6 @@ import dummy_weights
 import pytest
 
 import soak_helpers as soak
-from bcg_plugin.bench.harness import end_group
 from test_vllm_gpu import TOP_K, fewest_shared, mismatches, worst_logprob_diff
 
 pytestmark = [pytest.mark.gpu, pytest.mark.soak]
@@ -288,26 +287,14 @@ def run_engine(engine: str, role: str, tmp: Path, timeout_s: float, model_path: 
             env[DP_BARRIER_ENV] = tempfile.mkdtemp(prefix=f"bcg-soak-{role}-dp-", dir=tmp)
             ranks = dp_rank_envs(DP)
     names = [role if len(ranks) == 1 else f"{role}.rank{r}" for r in range(len(ranks))]
-    procs = []
+    commands = []
     for name, rank_env in zip(names, ranks):
         out, progress, log = tmp / f"{name}.json", tmp / f"{name}.progress.jsonl", tmp / f"{name}.log"
         cmd = [sys.executable, __file__, engine, role, str(out), str(progress)] + ([model_path] if model_path else [])
         print(f"\n[bcg soak] {engine} {role} engine{'' if len(ranks) == 1 else f' (DP rank {name[-1]})'}: log {log}",
               flush=True)
-        with open(log, "w") as f:
-            procs.append(subprocess.Popen(cmd, env={**env, **rank_env}, stdout=f, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    for proc in procs:  # each engine process and whatever it left running (workers, schedulers) in its group
-        end_group(proc)
-        proc.wait()
+        commands.append((cmd, {**env, **rank_env}, log))
+    procs, timed_out = soak.run_in_groups(commands, timeout_s)
     results = [_engine_result(name, proc, tmp, timeout_s, timed_out) for name, proc in zip(names, procs)]
     failed = [r for r in results if "error" in r]
     if failed:  # every failing rank: the first to fail and the peers it left waiting

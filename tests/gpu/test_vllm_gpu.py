@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -224,7 +223,6 @@ def _run_engine_processes(name: str, out: Path) -> dict | None:
     """Run engine ``name`` (DP processes under data parallelism) and write its merged outputs to
     ``out``; on failure, the error and the log tail instead."""
     from bcg_adapters.vllm.bench import dp_rank_envs
-    from bcg_plugin.bench.harness import end_group
 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if DP == 1 else "1", **ENGINES[name].get("env", {})}
     # Engine cores and workers unpickle dummy_weights.rescale by reference: its folder on their path.
@@ -236,20 +234,10 @@ def _run_engine_processes(name: str, out: Path) -> dict | None:
     rank_envs = dp_rank_envs(DP) if DP > 1 else [{}]
     logs = [out.parent / f"{out.stem}.rank{r}.log" for r in range(DP)]
     parts = [out if DP == 1 else out.parent / f"{out.stem}.rank{r}.json" for r in range(DP)]
-    procs = []
-    for r, rank_env in enumerate(rank_envs):
-        with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, __file__, name, str(parts[r])], env={**env, **rank_env},
-                                          stdout=log, stderr=subprocess.STDOUT, text=True,
-                                          start_new_session=True))  # its group: the engine's workers too
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=ENGINE_TIMEOUT_S))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                end_group(q)
-            codes.append("timeout")
+    procs, timed_out = soak.run_in_groups(
+        [([sys.executable, __file__, name, str(parts[r])], {**env, **rank_env}, logs[r])
+         for r, rank_env in enumerate(rank_envs)], ENGINE_TIMEOUT_S)
+    codes = [p.returncode for p in procs] + ([f"timeout after {ENGINE_TIMEOUT_S} s"] if timed_out else [])
     if any(c != 0 for c in codes) or not all(part.exists() for part in parts):
         for part in {out, *parts}:  # nothing half-written is reused through BCG_TEST_RESULTS_DIR
             part.unlink(missing_ok=True)
