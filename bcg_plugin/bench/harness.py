@@ -201,7 +201,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     for key, heading in (("e2e_ms", "End-to-end ratios"), ("ttft_ms", "Time-to-first-token ratios")):
         if "bcg" in good and len(good) > 1 and good["bcg"].get(key):
             lines += [f"## {heading} (below 1: bcg faster)", "", *_table(sizes, _bcg_ratios(good, key, sizes), 3), ""]
-    lines += targets.markdown(result["engine"], good)
+    lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
     extra = " | of which torch's allocator GiB" if split else ""
     lines += [f"| mode | init s | capture s | graph memory GiB{extra} |", "|---|---|---|---|" + "---|" * split]

@@ -1,7 +1,8 @@
 """The engine benchmarks' targets, checked against one result file (ratios within that run only).
 
 Each target reduces the run to one figure (a worst case over the sizes it covers) and a limit. A
-target whose modes or sizes are missing from the run reads "not measured", never "met".
+target whose modes or sizes are missing from the run reads "not measured", never "met". The targets
+are set for one model on one GPU: a run of another model or layout is not checked against them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _inverse(x: float | None) -> float | None:
     return 1 / x if x else None
 
 
+TARGET_MODEL = "qwen3-0.6b"  # the model shape the targets are set for, on one GPU
+
 TARGETS: dict[str, list[Target]] = {
     "vllm": [
         Target("bcg / best of native, native_ladder, compile (e2e, every N)", 1.02,
@@ -73,11 +76,20 @@ TARGETS: dict[str, list[Target]] = {
 }
 
 
-def markdown(engine: str, modes: dict) -> list[str]:
-    """The targets table for a run of ``engine`` (empty if the engine has none)."""
+def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict | None = None) -> list[str]:
+    """The targets table for a run of ``engine`` (empty if the engine has none).
+
+    A run of another model, or on several GPUs (``parallel``: sizes by name, as in the result
+    file), gets one line saying why it is not checked: a "yes" there would not be about the target.
+    """
     targets = TARGETS.get(engine, [])
     if not targets:
         return []
+    layout = {k: v for k, v in (parallel or {}).items() if v > 1}
+    if model != TARGET_MODEL or layout:
+        shape = ", ".join([model] + [f"{k} {v}" for k, v in layout.items()])
+        return ["## Targets", "", f"The targets are set for the {TARGET_MODEL} shape on one GPU; this run ({shape}) "
+                "is not checked against them.", ""]
     lines = ["## Targets (H200, Qwen3-0.6B shape)", "", "| target | limit | this run | met |", "|---|---|---|---|"]
     groups: dict[str, list[bool | None]] = {}
     for t in targets:

@@ -134,3 +134,16 @@ def test_targets_are_checked_as_worst_cases_and_missing_modes_are_not_met():
     table = "\n".join(targets.markdown("vllm", {"bcg": modes["bcg"]}))
     assert "| bcg / best of native, native_ladder, compile (e2e, every N) | <= 1.02 | not measured | - |" in table
     assert "| eager / bcg (e2e, N <= 512) | >= 3 | not measured | - |" in table
+
+
+def test_targets_are_not_checked_for_another_model_or_several_gpus():
+    from bcg_plugin.bench import targets
+
+    modes = {"eager": {"e2e_ms": {"16": 30.0}}, "bcg": {"e2e_ms": {"16": 1.0}}}
+    assert "| eager / bcg (e2e, N <= 512) | >= 3 | 30.000 | yes |" in "\n".join(targets.markdown("vllm", modes))
+    for model, parallel, shape in (("qwen3-8b", None, "qwen3-8b"),
+                                   ("qwen3-0.6b", {"tp": 2, "dp": 1}, "qwen3-0.6b, tp 2"),
+                                   ("qwen3-30b-a3b", {"tp": 2, "dp": 2}, "qwen3-30b-a3b, tp 2, dp 2")):
+        table = "\n".join(targets.markdown("vllm", modes, model, parallel))
+        assert "| yes |" not in table and "| target |" not in table
+        assert f"this run ({shape}) is not checked against them" in table

@@ -47,13 +47,14 @@ PROBES = [(40, 24), (100, 64), (300, 200)]
 STALE_SIZES = "32,64,128,256"
 # Multi-GPU runs of the same check: BCG_TEST_TP=2 [BCG_TEST_MODEL=qwen3-8b] (needs TP GPUs), and with
 # DP attention BCG_TEST_TP=2 BCG_TEST_DP=2 [BCG_TEST_MODEL=qwen3-30b-a3b] (MoE: the expert layers'
-# collectives span the DP ranks). Models other than the 0.6B one load SGLang's dummy weights: a scaled
-# checkpoint of them is too large to write.
+# collectives span the DP ranks). Models other than the 0.6B one load SGLang's dummy weights (a scaled
+# checkpoint of them is too large to write), rescaled in place on every rank once the engine is up.
 TP = int(os.environ.get("BCG_TEST_TP", "1"))
 DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget between the DP ranks
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
+RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in every scheduler
 
 
 def model_config() -> dict:
@@ -154,6 +155,7 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK) -> dict:
     return dict(
         model_path=model_path,
         load_format="auto" if MODEL == "qwen3-0.6b" else "dummy",
+        custom_weight_loader=[] if MODEL == "qwen3-0.6b" else [RESCALE_LOADER],
         tp_size=TP,
         dp_size=DP,
         enable_dp_attention=DP > 1,
@@ -173,14 +175,33 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK) -> dict:
 _ENGINE_PORTS = itertools.count(31000, 1000)
 
 
+def rescale_dummy_weights(engine) -> None:
+    """Spread the logits of a dummy-weight engine over a few nats (``dummy_weights``), on every rank.
+
+    SGLang's dummy weights flatten the logits so much that a stale replay stays within float noise
+    of eager: the check could not fail. CUDA graphs keep working, as the weights change in place.
+    """
+    if MODEL == "qwen3-0.6b":
+        return
+    ok, message = engine.update_weights_from_tensor([], load_format=RESCALE_LOADER, flush_cache=True)
+    assert ok, f"rescaling the dummy weights failed: {message}"
+
+
 def start_engine(model_path: str, mode: str, env: dict[str, str]):
-    for k, v in env.items():
-        os.environ[k] = v
+    # The schedulers import dummy_weights (RESCALE_LOADER) from this folder.
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
+                                                     os.environ.get("PYTHONPATH")) if p), **env}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         engine = sglang.Engine(**engine_kwargs(model_path, mode), port=next(_ENGINE_PORTS))
     finally:
-        for k in env:
-            os.environ.pop(k, None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    rescale_dummy_weights(engine)
     return engine
 
 

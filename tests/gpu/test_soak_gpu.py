@@ -227,7 +227,7 @@ def vllm_engine(role: str, progress: Path) -> dict:
 
 def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
     import sglang
-    from test_sglang_gpu import engine_kwargs  # the engine test's layout, at the soak's chunk size
+    from test_sglang_gpu import engine_kwargs, rescale_dummy_weights  # the engine test's layout and weights
 
     from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
 
@@ -235,6 +235,7 @@ def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
     os.environ[BENCH_RECORD_ENV] = str(record)  # schedulers inherit it: forward records, bench patches
     os.environ.setdefault("BCG_STATS_INTERVAL_S", "30")
     engine = sglang.Engine(**engine_kwargs(model_path, "bcg" if role == "soak" else "disabled", chunk=CHUNK))
+    rescale_dummy_weights(engine)
     prompts = soak.probe_prompts(SEED + 1, PROBES, PROBE_EDGES)
     try:
         def probe() -> list[dict]:
