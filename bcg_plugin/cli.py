@@ -41,10 +41,13 @@ def _bench(argv: list[str]) -> int:
     ap.add_argument("--dp", type=int, default=1,
                     help="data-parallel size (SGLang: DP attention, which needs --tp >= --dp; "
                          "vLLM: one process per DP rank, MoE models only)")
+    ap.add_argument("--profile", type=int, default=None, metavar="N",
+                    help="after the timed requests, profile one N-token forward per mode with torch.profiler "
+                         "(an N no mode pads, such as 16; vLLM: tp=1 and dp=1 only)")
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
     path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout,
-                       a.rounds, tp=a.tp, dp=a.dp)
+                       a.rounds, tp=a.tp, dp=a.dp, profile_tokens=a.profile)
     print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())  # written by render()
     return 0
 

@@ -6,7 +6,8 @@ Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its 
 and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
 :mod:`bcg_plugin.bench.harness`). Forward times and capture figures come from the bench-only
-patches, installed in the schedulers because this script sets ``BCG_BENCH_RECORD``.
+patches, installed in the schedulers because this script sets ``BCG_BENCH_RECORD``; so does
+``host_profile`` under ``bcg bench --profile N`` (one extra N-token forward under torch.profiler).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from bcg_adapters.sglang import settings
 from bcg_plugin.bench.order import interleaved
+from bcg_plugin.bench.profile import PROFILE_TOKENS_ENV
 
 MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
 
@@ -81,6 +83,13 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
             times[n].append((time.perf_counter() - s) * 1e3)
         # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
         measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
+        host_profile = None
+        profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
+        if profile_tokens:  # one extra request, in no median: the schedulers profile its forward
+            Path(settings.profile_arm_path(str(record))).touch()
+            engine.generate(input_ids=[rng.randrange(100, 150000) for _ in range(int(profile_tokens))],
+                            sampling_params=params)
+            host_profile = next(iter(_records(record, "host_profile")), None)
     finally:
         engine.shutdown()
     e2e = {str(n): statistics.median(times[n]) for n in sizes}
@@ -101,6 +110,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         "init_s": init_s,
         "capture_s": capture.get("seconds", 0.0),
         "graph_mem_gib": capture.get("memory_gib", 0.0),
+        "host_profile": host_profile,
         "prefill_runner": capture.get("runner"),
         "bcg_pool_gib": capture.get("bcg_pool_gib"),
         "bcg_capture_s": capture.get("bcg_capture_s"),

@@ -34,6 +34,11 @@ def bench_record_path() -> str | None:
     return os.environ.get(BENCH_RECORD_ENV) or None
 
 
+def profile_arm_path(record_path: str) -> str:
+    """The file whose presence arms the schedulers' forward profiler (``bcg bench --profile N``)."""
+    return f"{record_path}.profile-armed"
+
+
 def append_bench_record(path: str, record: dict) -> None:
     """Append ``record`` to the benchmark's record file as one JSON line (schedulers share the file)."""
     with open(path, "a") as f:

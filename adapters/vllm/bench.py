@@ -10,7 +10,9 @@ contract of :mod:`bcg_plugin.bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms
 ``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
 forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one, and
 ``graph_mem_allocator_gib``, the part of ``graph_mem_gib`` torch's caching allocator holds (graph
-pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries.
+pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries. With
+``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: one extra N-token forward under
+``torch.profiler`` (:mod:`bcg_plugin.bench.profile`).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 
@@ -64,10 +66,14 @@ class Timers:
     """Capture time and memory around ``capture_model``, CUDA events around each model forward."""
 
     def __init__(self) -> None:
+        from bcg_plugin.bench.profile import ForwardProfiler
+
         self.capture_s = 0.0
         self.graph_bytes = 0
         self.allocator_bytes = 0
         self.forwards: list = []
+        self.profile_armed = False
+        self.profiler = ForwardProfiler.from_env(armed=lambda: self.profile_armed)  # bcg bench --profile N
 
     def install(self) -> None:
         import vllm.v1.worker.gpu.model_runner as v2
@@ -107,7 +113,8 @@ class Timers:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 t0 = time.perf_counter()
-                yield
+                with self.profiler.around(num_tokens) if self.profiler else contextlib.nullcontext():
+                    yield
                 host_ms = (time.perf_counter() - t0) * 1e3
                 end.record()
                 self.forwards.append((num_tokens, start, end, host_ms))
@@ -208,6 +215,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
             hosts[n].append(f[1])
         if ttft is not None:
             ttfts[n].append(ttft)
+    if timers.profiler is not None and tp == 1 and dp == 1:  # one extra request, in no median
+        timers.profile_armed = True
+        generate(timers.profiler.tokens)
     e2e = {str(n): statistics.median(times[n]) for n in sizes}
     fwd = {str(n): statistics.median(forwards[n]) for n in sizes if forwards[n]}
     fwd_host = {str(n): statistics.median(hosts[n]) for n in sizes if hosts[n]}
@@ -218,7 +228,8 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
               "data_parallel_size": dp}
     if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
-                      graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30)
+                      graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,
+                      host_profile=timers.profiler.summary if timers.profiler else None)
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
     if dp > 1:

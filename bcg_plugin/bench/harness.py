@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bcg_plugin.bench import targets
+from bcg_plugin.bench import profile, targets
 from bcg_plugin.bench.models import shape_summary
 from bcg_plugin.bench.report import (
     environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
@@ -36,7 +36,7 @@ DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: float,
-             parallel: dict[str, int] | None = None) -> dict:
+             parallel: dict[str, int] | None = None, profile_tokens: int | None = None) -> dict:
     spec = ENGINES[engine]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "mode.json"
@@ -48,7 +48,7 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
         t0 = time.perf_counter()
         # Its own process group: the engine's workers, schedulers and DP ranks end with the mode.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=os.environ.copy(), start_new_session=True)
+                                env=_mode_env(profile_tokens), start_new_session=True)
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -62,6 +62,14 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
         data = json.loads(out.read_text())
         data["wall_s"] = wall
         return data
+
+
+def _mode_env(profile_tokens: int | None) -> dict[str, str]:
+    env = os.environ.copy()
+    env.pop(profile.PROFILE_TOKENS_ENV, None)  # only --profile arms the modes' profilers
+    if profile_tokens:
+        env[profile.PROFILE_TOKENS_ENV] = str(profile_tokens)
+    return env
 
 
 def end_group(proc: subprocess.Popen) -> None:
@@ -100,13 +108,15 @@ def _merge_rounds(rounds: list[dict]) -> dict:
 
 
 def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float,
-        rounds: int = 1, tp: int = 1, dp: int = 1) -> Path:
+        rounds: int = 1, tp: int = 1, dp: int = 1, profile_tokens: int | None = None) -> Path:
     spec = ENGINES[engine]
     unknown = [m for m in modes if m not in spec["modes"]]
     if unknown:
         raise SystemExit(f"unknown {engine} mode(s) {unknown}; choose from {spec['modes']}")
     if tp < 1 or dp < 1:
         raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
+    if profile_tokens is not None and profile_tokens < 1:
+        raise SystemExit(f"--profile takes a token count >= 1 (16, say), got {profile_tokens}")
     parallel = {"tp": tp, "dp": dp}
     result = {
         "benchmark": "engine",
@@ -127,7 +137,7 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         for mode in (modes if r % 2 == 0 else modes[::-1]):
             order.append(mode)
             print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}) ...", flush=True)
-            per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s, parallel))
+            per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens))
             print(f"[bcg bench] {engine} {mode}: {summary_line(per_mode[mode][-1])}", flush=True)
     result["order"] = order
     result["modes"] = {m: _merge_rounds(per_mode[m]) for m in modes}
@@ -202,6 +212,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
         if "bcg" in good and len(good) > 1 and good["bcg"].get(key):
             lines += [f"## {heading} (below 1: bcg faster)", "", *_table(sizes, _bcg_ratios(good, key, sizes), 3), ""]
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
+    lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
     extra = " | of which torch's allocator GiB" if split else ""
     lines += [f"| mode | init s | capture s | graph memory GiB{extra} |", "|---|---|---|---|" + "---|" * split]

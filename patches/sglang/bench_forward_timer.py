@@ -4,16 +4,33 @@ Installed only when ``BCG_BENCH_RECORD`` names a file (the benchmark script sets
 engine); each extend forward, and an idle DP-attention rank's forward while another rank extends,
 appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph", "across_dp"}`` to it (``host_ms``: host time spent issuing the forward; ``across_dp``: SGLang's
 replicated per-DP-rank token counts, ``None`` without DP attention). The synchronisation it adds
-makes it unfit for serving.
+makes it unfit for serving. With ``bcg bench --profile N``, the first N-token forward once the
+bench arms the profiler (:func:`~bcg_adapters.sglang.settings.profile_arm_path`) runs under
+``torch.profiler`` and appends ``{"kind": "host_profile", "rank", ...}``
+(:mod:`bcg_plugin.bench.profile`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from bcg_patches.sglang.base import Patch
 
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+_profilers: dict = {}  # this scheduler process's profiler, made on its first recorded forward
+
+
+def _profiler(path: str):
+    if path not in _profilers:
+        import os
+
+        from bcg_adapters.sglang.settings import profile_arm_path
+        from bcg_plugin.bench.profile import ForwardProfiler
+
+        arm = profile_arm_path(path)
+        _profilers[path] = ForwardProfiler.from_env(armed=lambda: os.path.exists(arm))
+    return _profilers[path]
 
 
 def around_forward(original_fn, self, forward_batch, *args, **kwargs):
@@ -32,13 +49,18 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     across = getattr(forward_batch, "global_num_tokens_cpu", None)  # read before the forward pads it
     across_dp = [int(n) for n in across] if across is not None else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    profiler = _profiler(path)
+    profiled_before = profiler is not None and profiler.summary is not None
     start.record()
     t0 = time.perf_counter()
-    out = original_fn(self, forward_batch, *args, **kwargs)
+    with profiler.around(tokens) if profiler else contextlib.nullcontext():
+        out = original_fn(self, forward_batch, *args, **kwargs)
     host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
     end.synchronize()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if profiler is not None and profiler.summary is not None and not profiled_before:
+        append_bench_record(path, {"kind": "host_profile", "rank": rank, **profiler.summary})
     record = {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end), "host_ms": host_ms,
               "rank": rank, "graph": bool(getattr(out, "can_run_graph", False)), "across_dp": across_dp}
     append_bench_record(path, record)

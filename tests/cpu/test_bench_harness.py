@@ -9,7 +9,7 @@ from bcg_plugin.bench.report import run_stamp
 def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
         calls.append(mode)
         k = len(calls)
         if mode == "native" and k > 2:

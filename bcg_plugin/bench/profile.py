@@ -1,0 +1,102 @@
+"""A host-side profile of one model forward (``bcg bench --profile N``), benchmark only.
+
+Where a mode's host time goes when a forward is launch-bound: how many CUDA runtime calls (graph
+launches, kernel launches, copies) and which torch ops it issues, under ``torch.profiler``. Every
+mode of a run profiles one forward of the same size the same way, so they compare with each other;
+the profiler's overhead makes its host time no match for the timed ones. The profiled forward
+comes from one extra request after the timed ones, so no median includes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+PROFILE_TOKENS_ENV = "BCG_BENCH_PROFILE_TOKENS"
+TOP_OPS = 25  # ops kept per profile, by host time spent in the op itself
+CUDA_RUNTIME_PREFIX = "cuda"  # the runtime API calls (cudaGraphLaunch, cudaLaunchKernel, ...) torch records
+
+
+class ForwardProfiler:
+    """Profiles the first forward of exactly ``tokens`` tokens once ``armed()`` is true; holds its summary.
+
+    The engines' bench timers call :meth:`around` for every forward; other forwards pass straight
+    through. Exact size, because every mode must profile the same forward: choose an N that no mode
+    pads (16, say). The bench arms the profiler for one extra request after the timed ones.
+    """
+
+    def __init__(self, tokens: int, armed: Callable[[], bool]) -> None:
+        if tokens < 1:
+            raise ValueError(f"{PROFILE_TOKENS_ENV} must be a token count >= 1, got {tokens}")
+        self.tokens = tokens
+        self.armed = armed
+        self.summary: dict | None = None
+
+    @classmethod
+    def from_env(cls, armed: Callable[[], bool], environ: Mapping[str, str] | None = None) -> ForwardProfiler | None:
+        value = (os.environ if environ is None else environ).get(PROFILE_TOKENS_ENV)
+        if not value:
+            return None
+        try:
+            tokens = int(value)
+        except ValueError:
+            raise ValueError(f"{PROFILE_TOKENS_ENV}={value!r}: expected a token count such as 16") from None
+        return cls(tokens, armed)
+
+    @contextlib.contextmanager
+    def around(self, num_tokens: int) -> Iterator[None]:
+        if self.summary is not None or num_tokens != self.tokens or not self.armed():
+            yield
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile, supported_activities
+
+        # CUDA activity (CUPTI) adds the runtime calls; without it only torch ops are seen.
+        activities = [a for a in (ProfilerActivity.CPU, ProfilerActivity.CUDA) if a in supported_activities()]
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            yield
+            host_ms = (time.perf_counter() - start) * 1e3
+            if torch.cuda.is_available():  # the forward's kernels end inside the profile
+                torch.cuda.synchronize()
+        self.summary = summarize(prof.key_averages(), host_ms, [a.name for a in activities], self.tokens)
+
+
+def summarize(averages, host_ms: float, activities: list[str], tokens: int) -> dict:
+    """The profile as plain data: counts of runtime calls and torch ops, the costliest ops."""
+    events = [(e.key, int(e.count), float(e.self_cpu_time_total)) for e in averages]
+    runtime = {k: c for k, c, _ in events if k.startswith(CUDA_RUNTIME_PREFIX)}
+    ops = [(k, c, us) for k, c, us in events if k.startswith("aten::")]
+    top = sorted(events, key=lambda e: -e[2])[:TOP_OPS]
+    return {
+        "tokens": tokens,
+        "host_ms": host_ms,
+        "activities": activities,
+        "cuda_runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1])),
+        "aten_ops": sum(c for _, c, _ in ops),
+        "top_self_cpu_us": [{"name": k, "count": c, "self_cpu_us": round(us, 1)} for k, c, us in top],
+    }
+
+
+def markdown(modes: dict) -> list[str]:
+    """A table of the profiled modes (empty when none was profiled)."""
+    profiled = {m: d["host_profile"] for m, d in modes.items() if d.get("host_profile")}
+    if not profiled:
+        return []
+    tokens = next(iter(profiled.values()))["tokens"]
+    calls = sorted({k for p in profiled.values() for k in p["cuda_runtime_calls"]},
+                   key=lambda k: -max(p["cuda_runtime_calls"].get(k, 0) for p in profiled.values()))[:4]
+    lines = [f"## Host profile of one {tokens}-token forward (torch.profiler, its overhead included)", "",
+             "| mode | host ms | torch ops | " + " | ".join(calls) + (" | " if calls else "") + "costliest op (self CPU µs) |",
+             "|---|---|---|" + "---|" * len(calls) + "---|"]
+    for m, p in profiled.items():
+        top = p["top_self_cpu_us"][0] if p["top_self_cpu_us"] else None
+        cells = [f"{p['host_ms']:.2f}", str(p["aten_ops"]), *(str(p["cuda_runtime_calls"].get(k, 0)) for k in calls),
+                 f"{top['name']} x{top['count']}: {top['self_cpu_us']:.0f}" if top else "-"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    skipped = [m for m, d in modes.items() if "e2e_ms" in d and not d.get("host_profile")]
+    if skipped:
+        lines += ["", f"Not profiled (no forward of exactly {tokens} tokens in this process): {', '.join(skipped)}."]
+    return lines + [""]

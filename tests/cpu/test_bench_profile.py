@@ -1,0 +1,87 @@
+"""``bcg bench --profile N``: one armed forward of exactly N tokens is profiled, once, and reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg_plugin.bench import harness, profile
+from bcg_plugin.bench.profile import PROFILE_TOKENS_ENV, ForwardProfiler
+
+
+def forward(profiler: ForwardProfiler, tokens: int) -> None:
+    with profiler.around(tokens):
+        torch.ones(tokens, 8).mul(2).sum()
+
+
+def test_only_an_armed_forward_of_exactly_n_tokens_is_profiled_and_only_once():
+    armed = [False]
+    profiler = ForwardProfiler(16, armed=lambda: armed[0])
+    forward(profiler, 16)
+    assert profiler.summary is None  # not armed: the timed requests
+    armed[0] = True
+    forward(profiler, 17)
+    assert profiler.summary is None  # another size
+    forward(profiler, 16)
+    summary = profiler.summary
+    assert summary["tokens"] == 16 and summary["host_ms"] > 0 and summary["aten_ops"] >= 3
+    assert {"aten::ones", "aten::mul", "aten::sum"} <= {op["name"] for op in summary["top_self_cpu_us"]}
+    forward(profiler, 16)
+    assert profiler.summary is summary
+
+
+@pytest.mark.parametrize("value, error", [("abc", "expected a token count"), ("0", "must be a token count >= 1")])
+def test_a_bad_profile_size_names_the_variable(value, error):
+    with pytest.raises(ValueError, match=f"{PROFILE_TOKENS_ENV}.*{error}"):
+        ForwardProfiler.from_env(armed=lambda: True, environ={PROFILE_TOKENS_ENV: value})
+    assert ForwardProfiler.from_env(armed=lambda: True, environ={}) is None
+
+
+def test_the_report_compares_the_profiled_modes_and_names_the_others():
+    def summary(graph_launches: int, kernels: int) -> dict:
+        return {"tokens": 16, "host_ms": 2.5, "aten_ops": 40, "activities": ["CPU", "CUDA"],
+                "cuda_runtime_calls": {"cudaGraphLaunch": graph_launches, "cudaLaunchKernel": kernels},
+                "top_self_cpu_us": [{"name": "aten::copy_", "count": 3, "self_cpu_us": 21.0}]}
+
+    modes = {"native": {"e2e_ms": {"16": 1.0}, "host_profile": summary(29, 30)},
+             "bcg": {"e2e_ms": {"16": 1.0}, "host_profile": summary(29, 61)},
+             "eager": {"e2e_ms": {"16": 1.0}, "host_profile": None}}
+    table = "\n".join(profile.markdown(modes))
+    assert "| mode | host ms | torch ops | cudaLaunchKernel | cudaGraphLaunch | costliest op" in table
+    assert "| bcg | 2.50 | 40 | 61 | 29 | aten::copy_ x3: 21 |" in table
+    assert "Not profiled (no forward of exactly 16 tokens in this process): eager." in table
+    assert profile.markdown({"bcg": {"e2e_ms": {"16": 1.0}}}) == []
+
+
+def test_only_the_profile_flag_arms_the_modes(monkeypatch):
+    monkeypatch.setenv(PROFILE_TOKENS_ENV, "64")  # left over in the caller's shell
+    assert PROFILE_TOKENS_ENV not in harness._mode_env(None)
+    assert harness._mode_env(16)[PROFILE_TOKENS_ENV] == "16"
+    with pytest.raises(SystemExit, match="--profile takes a token count"):
+        harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], None, 1.0, profile_tokens=0)
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+
+def test_the_vllm_forward_timer_profiles_the_armed_forward(monkeypatch):
+    import contextlib
+
+    from bcg_adapters.vllm import bench
+
+    monkeypatch.setenv(PROFILE_TOKENS_ENV, "4")
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    timers = bench.Timers()
+    timed = timers._timed_context(lambda *a, **k: contextlib.nullcontext())
+    for armed in (False, True):
+        timers.profile_armed = armed
+        with timed(None, num_tokens=4):
+            torch.ones(4, 8).mul(2)
+    assert len(timers.forwards) == 2  # both forwards timed as before
+    assert timers.profiler.summary["tokens"] == 4 and "aten::mul" in {
+        op["name"] for op in timers.profiler.summary["top_self_cpu_us"]}
