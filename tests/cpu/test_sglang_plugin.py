@@ -486,3 +486,16 @@ def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatc
                                                   "forwards": []}
     layout = f"{gpu_test.MODEL}-tp{gpu_test.TP}-dp{gpu_test.DP}"
     assert [p.name for p in tmp_path.iterdir()] == [f"sglang-eager-{layout}.json"]
+
+
+def test_the_check_refuses_logits_too_flat_to_see_a_stale_replay(gpu_test_module):
+    """SGLang's unscaled dummy weights spread logprobs ~1e-5 nats: a stale replay hid in that noise."""
+    gpu_test = gpu_test_module("test_sglang_gpu")
+
+    def meta(logprobs):
+        return {"input_token_logprobs": [(x, 7, None) for x in logprobs], "input_top_logprobs": [],
+                "output_token_logprobs": [], "output_top_logprobs": []}
+
+    assert gpu_test.spread_of([meta([-12.0, -10.0, -11.0])]) == pytest.approx(0.8165, rel=1e-3)
+    with pytest.raises(AssertionError, match="too flat"):
+        gpu_test.spread_of([meta([-11.93, -11.93002, -11.93001])])

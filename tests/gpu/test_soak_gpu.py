@@ -514,7 +514,7 @@ def test_sglang_soak(soak_dir):
     if MODEL == "qwen3-0.6b":  # scaled random weights, as in test_sglang_gpu (written on the CPU)
         model_path = str(reference_check.write_scaled_checkpoint(soak_dir / "qwen3-0.6b-scaled", device="cpu"))
     else:
-        model_path = str(model_dir(MODEL))  # config only: the engines load SGLang's dummy weights
+        model_path = str(model_dir(MODEL))  # config only: SGLang's dummy weights, rescaled once loaded
     ref = run_engine("sglang", "reference", soak_dir, START_ALLOWANCE_S, model_path)
     if "error" in ref:
         pytest.fail(f"eager reference: {ref['error']}\n{ref['log']}")
