@@ -50,6 +50,12 @@ HANG_EXIT = 86  # exit status of an engine process whose watchdog fired
 BACKSTOP_S = 30.0  # faulthandler ends the process this long after a deadline if the watchdog could not run
 
 
+def with_tests_on_path(environ: Mapping[str, str]) -> str:
+    """``PYTHONPATH`` of ``environ`` with this folder first: engine processes import the GPU tests'
+    modules (``dummy_weights``, ``soak_helpers``, the test scripts) by name."""
+    return os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), environ.get("PYTHONPATH")) if p)
+
+
 def soak_seconds(environ: Mapping[str, str] | None = None) -> float:
     """The soak's traffic duration: ``BCG_SOAK_SECONDS`` (default 600), a number > 0."""
     env = os.environ if environ is None else environ

@@ -192,8 +192,7 @@ def rescale_dummy_weights(engine) -> None:
 
 def start_engine(model_path: str, mode: str, env: dict[str, str]):
     # The schedulers import dummy_weights (RESCALE_LOADER) from this folder.
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
-                                                     os.environ.get("PYTHONPATH")) if p), **env}
+    env = {"PYTHONPATH": soak.with_tests_on_path(os.environ), **env}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -274,7 +274,7 @@ def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
 def run_engine(engine: str, role: str, tmp: Path, timeout_s: float, model_path: str | None = None) -> dict:
     """This file as a script in its own process group (vLLM under data parallelism: one per DP rank);
     its result (rank 0's, with every rank's bcg counters), or ``{"error": ...}`` naming the phase."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": soak.with_tests_on_path(os.environ)}
     ranks = [{}]
     if engine == "vllm":
         # In this process: bcg_stats, memory and the weight rescaling; under DP the engine core is a

@@ -226,7 +226,7 @@ def _run_engine_processes(name: str, out: Path) -> dict | None:
 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if DP == 1 else "1", **ENGINES[name].get("env", {})}
     # Engine cores and workers unpickle dummy_weights.rescale by reference: its folder on their path.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = soak.with_tests_on_path(env)
     if TP > 1 or DP > 1:  # apply_model ships the weight rescaling to the worker processes
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if DP > 1:
