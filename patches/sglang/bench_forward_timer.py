@@ -13,24 +13,24 @@ bench arms the profiler (:func:`~bcg_adapters.sglang.settings.profile_arm_path`)
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 from bcg_patches.sglang.base import Patch
 
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-_profilers: dict = {}  # this scheduler process's profiler, made on its first recorded forward
 
 
+@functools.cache
 def _profiler(path: str):
-    if path not in _profilers:
-        import os
+    """This scheduler's profiler for the bench record ``path`` (``None`` without ``--profile``)."""
+    import os
 
-        from bcg_adapters.sglang.settings import profile_arm_path
-        from bcg_plugin.bench.profile import ForwardProfiler
+    from bcg_adapters.sglang.settings import profile_arm_path
+    from bcg_plugin.bench.profile import ForwardProfiler
 
-        arm = profile_arm_path(path)
-        _profilers[path] = ForwardProfiler.from_env(armed=lambda: os.path.exists(arm))
-    return _profilers[path]
+    arm = profile_arm_path(path)
+    return ForwardProfiler.from_env(armed=lambda: os.path.exists(arm))
 
 
 def around_forward(original_fn, self, forward_batch, *args, **kwargs):
