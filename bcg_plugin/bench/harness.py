@@ -117,6 +117,10 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
     if profile_tokens is not None and profile_tokens < 1:
         raise SystemExit(f"--profile takes a token count >= 1 (16, say), got {profile_tokens}")
+    if profile_tokens and engine == "vllm" and (tp > 1 or dp > 1):
+        # vLLM's forward timer is in-process; with tp or dp > 1 the forwards run in worker processes.
+        raise SystemExit(f"--profile with vllm needs --tp 1 --dp 1 (got tp={tp} dp={dp}): the profiler runs "
+                         "in the engine's own process; profile on one GPU, or use sglang, which profiles every rank")
     parallel = {"tp": tp, "dp": dp}
     result = {
         "benchmark": "engine",

@@ -61,6 +61,15 @@ def test_only_the_profile_flag_arms_the_modes(monkeypatch):
         harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], None, 1.0, profile_tokens=0)
 
 
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
+def test_vllm_profile_across_processes_is_refused_before_any_mode_runs(monkeypatch, tmp_path, tp, dp):
+    """vLLM's profiler lives in the engine's process: with tp or dp > 1 it would profile nothing."""
+    monkeypatch.setattr(harness, "run_mode", lambda *a, **k: pytest.fail("a mode ran"))
+    with pytest.raises(SystemExit, match=f"--profile with vllm needs --tp 1 --dp 1 \\(got tp={tp} dp={dp}\\)"):
+        harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 1.0, tp=tp, dp=dp, profile_tokens=16)
+
+
 class _FakeEvent:
     def __init__(self, enable_timing=False):
         pass
