@@ -499,3 +499,23 @@ def test_the_check_refuses_logits_too_flat_to_see_a_stale_replay(gpu_test_module
     assert gpu_test.spread_of([meta([-12.0, -10.0, -11.0])]) == pytest.approx(0.8165, rel=1e-3)
     with pytest.raises(AssertionError, match="too flat"):
         gpu_test.spread_of([meta([-11.93, -11.93002, -11.93001])])
+
+
+def test_moe_check_tolerates_a_few_perturbed_positions_and_still_sees_a_stale_replay(gpu_test_module):
+    """MoE: a few tokens whose experts flipped pass; a request moved almost everywhere fails, as dense does."""
+    gpu_test = gpu_test_module("test_sglang_gpu")
+
+    def meta(logprobs):
+        return {"input_token_logprobs": [(x, 7, None) for x in logprobs], "input_top_logprobs": [],
+                "output_token_logprobs": [], "output_top_logprobs": []}
+
+    ref = [-10.0 - 0.01 * i for i in range(100)]
+    flipped = [x + (0.6 if i % 20 == 0 else 0.02) for i, x in enumerate(ref)]  # 5% moved by 0.6
+    stale = [x + (0.01 if i % 10 == 0 else 2.0) for i, x in enumerate(ref)]  # 90% moved by 2
+    moe, dense = gpu_test.error_quantile("qwen3-30b-a3b"), gpu_test.error_quantile("qwen3-0.6b")
+    assert (moe, dense) == (gpu_test.MOE_QUANTILE, 1.0)
+    assert gpu_test.request_error(meta(flipped), meta(ref), 1.0, moe) == pytest.approx(0.02)
+    assert gpu_test.request_error(meta(flipped), meta(ref), 1.0, dense) == pytest.approx(0.6)  # fails dense
+    for q in (moe, dense):
+        assert gpu_test.request_error(meta(stale), meta(ref), 1.0, q) == pytest.approx(2.0)
+    assert gpu_test.TOL < 0.6

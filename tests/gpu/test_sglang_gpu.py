@@ -1,19 +1,25 @@
 """bcg inside SGLang on a GPU: logprobs of bcg replays match eager prefill; a stale replay does not.
 
-Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``. Three engines
+Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``. Four engines
 start one after another in this process (each spawns its own scheduler): eager prefill
-(``cuda_graph_backend_prefill="disabled"``), bcg, and bcg with the test-only stale-metadata knob.
+(``cuda_graph_backend_prefill="disabled"``), bcg, bcg with the test-only stale-metadata knob, and
+eager prefill again.
 
 Model: Qwen3-0.6B shape with random weights written once as a safetensors checkpoint that every
 engine loads: norms 1, matrices N(0, 1/fan_in), embeddings N(0, 0.05^2). SGLang's own dummy
 weights (uniform +-1e-3, norms included) flatten the logits to a spread of ~0.02 nats, which makes
 any tolerance in units of that spread loose; these weights spread the logits over a few nats.
 
-Check: for every request, max |logprob_bcg - logprob_eager| over its input-token logprobs, its
+Check: for every request, |logprob_bcg - logprob_eager| over its input-token logprobs, its
 per-position top-1 input logprobs and its output logprobs (up to the first differing output
-token) must stay below ``TOL`` x the spread (std) of the eager run's input logprobs. bf16 GEMMs on
-a padded bucket may pick other kernels and reduction orders than the eager shapes: the core's
-padded-replay error on hidden states is <= 2e-2 relative, well under TOL.
+token) must stay below ``TOL`` x the spread (std) of the eager run's input logprobs: at every
+position for a dense model, at ``MOE_QUANTILE`` of the positions for a MoE model (see there).
+bf16 GEMMs on a padded bucket may pick other kernels and reduction orders than the eager shapes:
+the core's padded-replay error on hidden states is <= 2e-2 relative, well under TOL.
+
+Two controls bracket the check: a replay with stale attention metadata must fail it (it is not too
+loose), and the eager engine run a second time must pass it against the first (it is not stricter
+than the host's own run-to-run reproducibility).
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_plugin.bench.models``.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -37,7 +44,15 @@ import soak_helpers as soak
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 sglang = pytest.importorskip("sglang")
 
-TOL = 0.1  # max |delta logprob| per request, in units of the eager run's logprob spread
+TOL = 0.1  # |delta logprob| per compared position, in units of the eager run's logprob spread
+# MoE models: the share of a request's positions that must be within TOL. SGLang's fused-MoE kernel
+# picks its tiling by token count, so another count (a padded bucket, or eager's own batches mixed
+# otherwise) changes bf16 sums enough to flip some tokens' top-k experts, and with random weights a
+# flipped token moves by up to ~0.9 x spread while most positions stay within ~0.03 (on 2 GPUs,
+# TP 2 / DP 2: eager run twice differed beyond TOL at single positions in 25 of 209 requests and
+# prompts; a 100-token bcg probe replayed in a larger bucket had 5% of its positions beyond). A
+# stale replay puts 90% or more of a request's positions beyond TOL. Dense models: every position.
+MOE_QUANTILE = 0.75
 # Nats: flatter logits (SGLang's unscaled dummy weights give ~1e-5) leave a stale replay inside float
 # noise, so the check could pass whatever bcg did.
 MIN_SPREAD = 0.1
@@ -253,18 +268,30 @@ def values(meta: dict) -> dict[str, list[float]]:
     }
 
 
-def request_error(got: dict, ref: dict, spread: float) -> float:
+def error_quantile(model: str = MODEL) -> float:
+    """The quantile of a request's per-position errors that ``request_error`` returns (1.0: the max)."""
+    from bcg_plugin.bench.models import MODELS
+
+    return MOE_QUANTILE if "num_experts" in MODELS[model] else 1.0
+
+
+def request_error(got: dict, ref: dict, spread: float, quantile: float | None = None) -> float:
+    """|logprob difference| / spread at the ``quantile`` (default ``error_quantile()``) of the positions."""
     a, b = values(got), values(ref)
-    worst = 0.0
+    diffs = []
     for key in ("input", "input_top1"):
         assert len(a[key]) == len(b[key]), f"{key}: {len(a[key])} vs {len(b[key])} positions"
-        worst = max([worst] + [abs(x - y) for x, y in zip(a[key], b[key])])
+        diffs += [abs(x - y) for x, y in zip(a[key], b[key])]
     agree = 0  # output positions compare like for like only while the greedy tokens agree
     while agree < min(len(a["output_ids"]), len(b["output_ids"])) and a["output_ids"][agree] == b["output_ids"][agree]:
         agree += 1
     for key in ("output", "output_top1"):
-        worst = max([worst] + [abs(x - y) for x, y in zip(a[key][: agree + 1], b[key][: agree + 1])])
-    return worst / spread
+        diffs += [abs(x - y) for x, y in zip(a[key][: agree + 1], b[key][: agree + 1])]
+    if not diffs:
+        return 0.0
+    q = error_quantile() if quantile is None else quantile
+    diffs.sort()
+    return diffs[max(math.ceil(q * len(diffs)) - 1, 0)] / spread  # nearest rank: q = 1 is the max
 
 
 def spread_of(runs: list[dict]) -> float:
@@ -304,9 +331,11 @@ def runs(checkpoint):
     bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1"))
     stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_TEST_STALE_METADATA="1",
                                              BCG_SIZES=STALE_SIZES))
+    eager_again = kept("eager-again", lambda: run_engine(checkpoint, "disabled", waves, probes))
     spread = spread_of(eager["results"] + eager["probes"])
-    print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread")
-    return {"eager": eager, "bcg": bcg, "stale": stale, "spread": spread}
+    print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread "
+          f"at quantile {error_quantile()} of each request's positions")
+    return {"eager": eager, "bcg": bcg, "stale": stale, "eager_again": eager_again, "spread": spread}
 
 
 def test_bcg_replayed_prefill_and_mixed_forwards(runs):
@@ -327,14 +356,29 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert problem is None, problem
 
 
-def test_bcg_matches_eager_logprobs(runs):
+def compare(runs: dict, name: str) -> list[float]:
+    """Every request's and probe's error of run ``name`` against the eager run, printed."""
     spread = runs["spread"]
-    errs = errors(runs["bcg"]["results"], runs["eager"]["results"], spread)
-    probe_errs = errors(runs["bcg"]["probes"], runs["eager"]["probes"], spread)
-    worst = max(errs + probe_errs)
-    print(f"[bcg gpu] {len(errs)} requests + {len(probe_errs)} probes: worst {worst:.4f}, "
-          f"median {statistics.median(errs):.4f} (x spread)")
-    assert worst <= TOL, sorted(errs + probe_errs)[-10:]
+    errs = errors(runs[name]["results"], runs["eager"]["results"], spread)
+    probe_errs = errors(runs[name]["probes"], runs["eager"]["probes"], spread)
+    worst_max = max(request_error(g, r, spread, quantile=1.0) for run in ("results", "probes")
+                    for g, r in zip(runs[name][run], runs["eager"][run]))
+    print(f"[bcg gpu] {name}: {len(errs)} requests + {len(probe_errs)} probes: worst {max(errs + probe_errs):.4f}, "
+          f"median {statistics.median(errs):.4f}, beyond TOL {sum(e > TOL for e in errs + probe_errs)}; "
+          f"worst single position {worst_max:.4f} (x spread)")
+    return errs + probe_errs
+
+
+def test_bcg_matches_eager_logprobs(runs):
+    errs = compare(runs, "bcg")
+    assert max(errs) <= TOL, sorted(errs)[-10:]
+
+
+def test_eager_again_passes_the_same_check(runs):
+    """Positive control: the check is not stricter than the host's eager prefill against itself."""
+    errs = compare(runs, "eager_again")
+    assert max(errs) <= TOL, (f"eager prefill run twice fails the check ({sorted(errs)[-10:]}): the check is "
+                              "stricter than the host's own reproducibility, so a bcg failure would say nothing")
 
 
 def test_stale_replay_fails_the_same_check(runs):
