@@ -26,10 +26,12 @@ from bcg_plugin.bench.report import (
     environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
 )
 
+# ``profiles_workers``: whether ``--profile`` reaches forwards run in worker processes (tp or dp > 1).
+# vLLM's forward timer wraps the runner in the bench's own process; SGLang's is a patch in every scheduler.
 ENGINES = {
-    "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm",
+    "vllm": {"module": "bcg_adapters.vllm.bench", "package": "vllm", "profiles_workers": False,
              "modes": ["eager", "native", "native_ladder", "compile", "bcg", "bcg_compile"]},
-    "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang",
+    "sglang": {"module": "bcg_adapters.sglang.bench", "package": "sglang", "profiles_workers": True,
                "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
 }
 DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
@@ -117,9 +119,8 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
     if profile_tokens is not None and profile_tokens < 1:
         raise SystemExit(f"--profile takes a token count >= 1 (16, say), got {profile_tokens}")
-    if profile_tokens and engine == "vllm" and (tp > 1 or dp > 1):
-        # vLLM's forward timer is in-process; with tp or dp > 1 the forwards run in worker processes.
-        raise SystemExit(f"--profile with vllm needs --tp 1 --dp 1 (got tp={tp} dp={dp}): the profiler runs "
+    if profile_tokens and not spec["profiles_workers"] and (tp > 1 or dp > 1):
+        raise SystemExit(f"--profile with {engine} needs --tp 1 --dp 1 (got tp={tp} dp={dp}): the profiler runs "
                          "in the engine's own process; profile on one GPU, or use sglang, which profiles every rank")
     parallel = {"tp": tp, "dp": dp}
     result = {
