@@ -87,7 +87,7 @@ def markdown(modes: dict) -> list[str]:
         return []
     tokens = next(iter(profiled.values()))["tokens"]
     calls = sorted({k for p in profiled.values() for k in p["cuda_runtime_calls"]},
-                   key=lambda k: -max(p["cuda_runtime_calls"].get(k, 0) for p in profiled.values()))[:4]
+                   key=lambda k: (-max(p["cuda_runtime_calls"].get(k, 0) for p in profiled.values()), k))[:4]
     lines = [f"## Host profile of one {tokens}-token forward (torch.profiler, its overhead included)", "",
              "| mode | host ms | torch ops | " + " | ".join(calls) + (" | " if calls else "") + "costliest op (self CPU µs) |",
              "|---|---|---|" + "---|" * len(calls) + "---|"]

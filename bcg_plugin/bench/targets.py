@@ -33,12 +33,13 @@ def _series(modes: dict, mode: str, key: str = "e2e_ms") -> dict[int, float]:
 
 
 def _worst_ratio(modes: dict, mode: str, others: list[str], key: str = "e2e_ms", sizes=None) -> float | None:
-    """The largest over N of mode / best of ``others`` at that N."""
-    mine = _series(modes, mode, key)
+    """The largest over N of mode / best of ``others`` at that N; ``None`` unless every one of
+    ``others`` was measured at every N the target covers."""
+    mine = {n: v for n, v in _series(modes, mode, key).items() if sizes is None or n in sizes}
     theirs = [_series(modes, o, key) for o in others]
-    ratios = [mine[n] / min(t[n] for t in theirs if n in t)
-              for n in mine if (sizes is None or n in sizes) and any(n in t for t in theirs)]
-    return max(ratios) if ratios else None
+    if not mine or any(n not in t for t in theirs for n in mine):
+        return None
+    return max(mine[n] / min(t[n] for t in theirs) for n in mine)
 
 
 def _scalar_ratio(modes: dict, key: str, mode: str, other: str) -> float | None:

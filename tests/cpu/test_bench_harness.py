@@ -141,7 +141,8 @@ def test_vllm_every_n_target_is_met_by_either_bcg_configuration_and_by_neither_w
     from bcg_plugin.bench import targets
 
     modes = {"native": {"e2e_ms": {"16": 4.0, "8192": 36.0}}, "compile": {"e2e_ms": {"16": 6.0, "8192": 31.0}},
-             "bcg": {"e2e_ms": {"16": 4.0, "8192": 34.0}}, "bcg_compile": {"e2e_ms": {"16": 4.0, "8192": 30.8}}}
+             "bcg": {"e2e_ms": {"16": 4.0, "8192": 34.0}}, "bcg_compile": {"e2e_ms": {"16": 4.0, "8192": 30.8}},
+             "native_ladder": {"e2e_ms": {"16": 5.0, "8192": 36.0}}}
     table = "\n".join(targets.markdown("vllm", modes))
     limit = "<= 1.02 (any one of 'every N')"
     assert f"| bcg / best of native, native_ladder, compile (e2e, every N) | {limit} | 1.097 | no |" in table
@@ -149,6 +150,20 @@ def test_vllm_every_n_target_is_met_by_either_bcg_configuration_and_by_neither_w
     assert "'every N': met." in table
     modes["bcg_compile"]["e2e_ms"]["16"] = 4.2  # 1.05x native at 16 tokens
     assert "'every N': not met." in "\n".join(targets.markdown("vllm", modes))
+
+
+def test_a_target_with_a_comparison_mode_or_size_missing_is_not_measured():
+    from bcg_plugin.bench import targets
+
+    modes = {"native": {"e2e_ms": {"16": 4.0, "8192": 36.0}}, "compile": {"e2e_ms": {"16": 6.0, "8192": 31.0}},
+             "bcg": {"e2e_ms": {"16": 3.0, "8192": 30.0}}}
+    table = "\n".join(targets.markdown("vllm", modes))  # no native_ladder in the run
+    assert "| bcg / best of native, native_ladder, compile (e2e, every N) | <= 1.02 (any one of 'every N') | " \
+           "not measured | - |" in table
+    modes["native_ladder"] = {"e2e_ms": {"16": 5.0}}  # timed out before 8192
+    assert "'every N': not measured." in "\n".join(targets.markdown("vllm", modes))
+    modes["native_ladder"]["e2e_ms"]["8192"] = 33.0
+    assert "'every N': met." in "\n".join(targets.markdown("vllm", modes))
     assert "| eager / bcg (e2e, N <= 512) | >= 3 | not measured | - |" in table
 
 

@@ -53,6 +53,16 @@ def test_the_report_compares_the_profiled_modes_and_names_the_others():
     assert profile.markdown({"bcg": {"e2e_ms": {"16": 1.0}}}) == []
 
 
+def test_runtime_calls_with_equal_counts_are_columns_in_name_order():
+    calls = {"cudaStreamIsCapturing": 29, "cudaGraphLaunch": 29, "cudaLaunchKernelExC": 28, "cudaFuncSetAttribute": 28,
+             "cudaLaunchKernel": 28}
+    modes = {"bcg": {"e2e_ms": {"16": 1.0}, "host_profile": {
+        "tokens": 16, "host_ms": 2.5, "aten_ops": 40, "cuda_runtime_calls": calls, "top_self_cpu_us": []}}}
+    header = "| mode | host ms | torch ops | cudaGraphLaunch | cudaStreamIsCapturing | cudaFuncSetAttribute | " \
+             "cudaLaunchKernel | costliest op"
+    assert header in "\n".join(profile.markdown(modes))
+
+
 def test_only_the_profile_flag_arms_the_modes(monkeypatch):
     monkeypatch.setenv(PROFILE_TOKENS_ENV, "64")  # left over in the caller's shell
     assert PROFILE_TOKENS_ENV not in harness._mode_env(None)
