@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from bcg_plugin.bench.report import environment, run_stamp
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, EXPERT_INTERMEDIATE, TP = 128, 8, 768, 2
@@ -29,29 +29,38 @@ EXPERTS, TOP_K, EXPERT_INTERMEDIATE, TP = 128, 8, 768, 2
 PROBES = [(24, 32), (40, 48), (64, 64), (100, 112), (200, 208), (300, 320)]
 DP = 2
 SEED = 0
-DEVICE = "cuda"
 
 
 def rows_compare(fn, x: torch.Tensor, n: int, m: int) -> dict:
     """``fn`` on the first n rows alone and on all m rows: are the first n output rows the same?"""
-    small = fn(x[:n])
-    large = fn(x[:m])[:n]
+    return _compared(fn(x[:n]), fn(x[:m])[:n], n, m)
+
+
+def _compared(small: torch.Tensor, large: torch.Tensor, n: int, m: int) -> dict:
     diff = (small.float() - large.float()).abs()
     return {"n": n, "m": m, "bitwise_equal": bool(torch.equal(small, large)), "max_abs_diff": float(diff.max()),
             "rows_differing": int((diff.amax(dim=-1) > 0).sum())}
 
 
+def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=gen.device)
+
+
 def linear(k: int, n_out: int, gen: torch.Generator):
-    w = (torch.randn(n_out, k, generator=gen, device=DEVICE) / k**0.5).to(torch.bfloat16)
+    w = (_randn(gen, n_out, k) / k**0.5).to(torch.bfloat16)
     return lambda x: torch.nn.functional.linear(x, w)
 
 
 def router_flips(gate, x: torch.Tensor, n: int, m: int) -> dict:
-    entry = rows_compare(gate, x, n, m)
-    small = torch.topk(gate(x[:n]).float(), TOP_K, dim=-1).indices.sort(dim=-1).values
-    large = torch.topk(gate(x[:m])[:n].float(), TOP_K, dim=-1).indices.sort(dim=-1).values
-    entry["tokens_with_other_experts"] = int((small != large).any(dim=-1).sum())
+    """:func:`rows_compare` of the router, plus how many of the n tokens get another top-k expert set."""
+    small, large = gate(x[:n]), gate(x[:m])[:n]
+    entry = _compared(small, large, n, m)
+    entry["tokens_with_other_experts"] = int((_top_experts(small) != _top_experts(large)).any(dim=-1).sum())
     return entry
+
+
+def _top_experts(logits: torch.Tensor) -> torch.Tensor:
+    return torch.topk(logits.float(), TOP_K, dim=-1).indices.sort(dim=-1).values
 
 
 def experts(gen: torch.Generator):
@@ -65,13 +74,13 @@ def experts(gen: torch.Generator):
 
         # The kernels read SGLang's process-wide config, which an engine publishes at start.
         publish(ServerArgs(model_path=str(model_dir("qwen3-30b-a3b")), load_format="dummy", skip_tokenizer_init=True,
-                           device=DEVICE), role="test")
+                           device=gen.device.type), role="test")
     except Exception as e:  # reported in the JSON: the dense layers are still answered
         return None, f"{type(e).__name__}: {e}"
     inter = EXPERT_INTERMEDIATE // TP
-    w1 = (torch.randn(EXPERTS, 2 * inter, HIDDEN, generator=gen, device=DEVICE) / HIDDEN**0.5).to(torch.bfloat16)
-    w2 = (torch.randn(EXPERTS, HIDDEN, inter, generator=gen, device=DEVICE) / inter**0.5).to(torch.bfloat16)
-    gate_w = (torch.randn(EXPERTS, HIDDEN, generator=gen, device=DEVICE) / HIDDEN**0.5).to(torch.bfloat16)
+    w1 = (_randn(gen, EXPERTS, 2 * inter, HIDDEN) / HIDDEN**0.5).to(torch.bfloat16)
+    w2 = (_randn(gen, EXPERTS, HIDDEN, inter) / inter**0.5).to(torch.bfloat16)
+    gate_w = (_randn(gen, EXPERTS, HIDDEN) / HIDDEN**0.5).to(torch.bfloat16)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(x, gate_w).float()
@@ -87,12 +96,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda", help="cpu only checks the script itself")
     args = parser.parse_args()
-    global DEVICE
-    DEVICE = args.device
-    gen = torch.Generator(device=DEVICE).manual_seed(SEED)
+    gen = torch.Generator(device=args.device).manual_seed(SEED)
     top = max(b for _, b in PROBES) * DP
-    x = torch.randn(top, HIDDEN, generator=gen, device=DEVICE).to(torch.bfloat16)
-    attn_in = torch.randn(top, HEADS * HEAD_DIM, generator=gen, device=DEVICE).to(torch.bfloat16)
+    x = _randn(gen, top, HIDDEN).to(torch.bfloat16)
+    attn_in = _randn(gen, top, HEADS * HEAD_DIM).to(torch.bfloat16)
     qkv = linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, gen)
     o_proj = linear(HEADS * HEAD_DIM, HIDDEN, gen)
     gate = linear(HIDDEN, EXPERTS, gen)
@@ -107,15 +114,12 @@ def main() -> None:
                 layers["fused_experts"].append(rows_compare(moe, x, n, bucket * DP))
             except Exception as e:  # SGLang's runtime state outside an engine: reported, not fatal
                 moe, moe_error = None, f"{type(e).__name__}: {e}"
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+    env = environment()
     result = {
         "benchmark": "padding_rows",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
+        **{k: v for k, v in env.items() if k in ("gpu", "date")},
+        "env": env,
+        "device": args.device,
         "sglang": _version("sglang"),
         "triton": _version("triton"),
         "shape": {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "experts": EXPERTS,
@@ -126,7 +130,7 @@ def main() -> None:
         "layers": layers,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"padding-rows-{result['date'].replace(':', '')[:15]}Z.json"
+    path = args.out / f"padding-rows-{run_stamp(result['date'])}.json"
     path.write_text(json.dumps(result, indent=2))
     for name, entries in layers.items():
         for e in entries:
