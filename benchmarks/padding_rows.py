@@ -72,7 +72,15 @@ def experts(gen: torch.Generator):
 
         from bcg_plugin.bench.models import model_dir
 
-        # The kernels read SGLang's process-wide config, which an engine publishes at start.
+        from sglang.srt.distributed import parallel_state
+
+        # The kernels read SGLang's process-wide config and parallel groups, which an engine sets up
+        # at start; one process stands in for this rank (its expert halves are local maths).
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:29533",
+                backend="nccl" if gen.device.type == "cuda" else "gloo")
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         publish(ServerArgs(model_path=str(model_dir("qwen3-30b-a3b")), load_format="dummy", skip_tokenizer_init=True,
                            device=gen.device.type), role="test")
     except Exception as e:  # reported in the JSON: the dense layers are still answered

@@ -76,6 +76,8 @@ ENGINES = {
     "bcg_triton": {"backend": "TRITON_ATTN", "bcg": True},
     # bcg over vLLM's default piecewise compilation (torch_compile): compiled pieces captured
     "bcg_fa_compile": {"backend": "FLASH_ATTN", "bcg": True, "torch_compile": True},
+    # vLLM's own default compilation and graphs, no bcg: how far compilation alone moves outputs
+    "compile_fa": {"backend": "FLASH_ATTN", "bcg": False, "torch_compile": True},
 }
 
 
@@ -126,7 +128,7 @@ def run_engine(name: str, out: Path) -> None:
         if spec.get("torch_compile"):
             kwargs["additional_config"]["bcg"]["torch_compile"] = True
     else:
-        kwargs["enforce_eager"] = True
+        kwargs["enforce_eager"] = not spec.get("torch_compile")
     llm = LLM(**kwargs)
     llm.apply_model(dummy_weights.rescale)
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=TOP_K, ignore_eos=True)
@@ -281,7 +283,10 @@ def _assert_bcg_ran(run: dict) -> None:
 
 @pytest.mark.parametrize("bcg_name, ref_name", [
     ("bcg_fa", "eager_fa"), ("bcg_fa_v1", "eager_fa_v1"), ("bcg_triton", "eager_triton"),
-    ("bcg_fa_compile", "eager_fa"),
+    # Compilation alone moves outputs: vLLM's own compiled engine, without bcg, differs from eager
+    # beyond the tolerance on a near-tied prompt at TP 2 (logs/vllm-gpu-test-tp2-compile-2026-11-30.log),
+    # so bcg over compiled pieces is held to the compiled engine, whose numerics it shares.
+    ("bcg_fa_compile", "compile_fa"),
 ])
 def test_bcg_matches_eager(engines, bcg_name, ref_name):
     ref = _ok(engines(ref_name), ref_name)
