@@ -66,19 +66,18 @@ def _top_experts(logits: torch.Tensor) -> torch.Tensor:
 def experts(gen: torch.Generator):
     """SGLang's fused MoE (Triton) on this rank's half of every expert, or the reason it is unavailable."""
     try:
+        from sglang.srt.distributed import parallel_state
         from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe import fused_experts_impl
         from sglang.srt.runtime_context import publish
         from sglang.srt.server_args import ServerArgs
 
         from bcg_plugin.bench.models import model_dir
 
-        from sglang.srt.distributed import parallel_state
-
         # The kernels read SGLang's process-wide config and parallel groups, which an engine sets up
         # at start; one process stands in for this rank (its expert halves are local maths).
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, distributed_init_method="tcp://127.0.0.1:29533",
+                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
                 backend="nccl" if gen.device.type == "cuda" else "gloo")
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         publish(ServerArgs(model_path=str(model_dir("qwen3-30b-a3b")), load_format="dummy", skip_tokenizer_init=True,
@@ -147,6 +146,14 @@ def main() -> None:
             print(f"{name:14s} n={e['n']:4d} M={e['m']:4d}: equal {e['bitwise_equal']}, max diff "
                   f"{e['max_abs_diff']:.3g}, rows differing {e['rows_differing']}{extra}")
     print(f"wrote {path}")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _version(package: str) -> str | None:
