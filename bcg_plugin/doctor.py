@@ -52,7 +52,8 @@ class AdapterReport:
         return self.installed and not self.problems
 
 
-def _version(dist: str) -> str | None:
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or ``None`` if it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -64,7 +65,7 @@ def adapter_report(engine: str) -> AdapterReport:
     group = HOST_ENTRY_POINTS[engine]
     eps = [ep for ep in importlib.metadata.entry_points(group=group) if ep.name == "bcg"]
     if not eps:
-        return AdapterReport(engine, _version(engine), "?", problems=[
+        return AdapterReport(engine, installed_version(engine), "?", problems=[
             f"no 'bcg' entry point in {group}: bcg-plugin is not installed in this environment"])
     module = importlib.import_module(eps[0].module)
     return module.diagnose()
@@ -74,7 +75,7 @@ def gpu_report() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
-                            "breakable-cuda-graphs": _version("breakable-cuda-graphs"),
+                            "breakable-cuda-graphs": installed_version("breakable-cuda-graphs"),
                             "cuda_available": torch.cuda.is_available()}
     if info["cuda_available"]:
         info["gpu"] = torch.cuda.get_device_name()

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
+from bcg_plugin.bench.ranks import free_port
 from bcg_plugin.bench.report import environment, run_stamp
+from bcg_plugin.doctor import installed_version
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, EXPERT_INTERMEDIATE, TP = 128, 8, 768, 2
@@ -77,7 +79,7 @@ def experts(gen: torch.Generator):
         # at start; one process stands in for this rank (its expert halves are local maths).
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                 backend="nccl" if gen.device.type == "cuda" else "gloo")
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         publish(ServerArgs(model_path=str(model_dir("qwen3-30b-a3b")), load_format="dummy", skip_tokenizer_init=True,
@@ -127,8 +129,8 @@ def main() -> None:
         **{k: v for k, v in env.items() if k in ("gpu", "date")},
         "env": env,
         "device": args.device,
-        "sglang": _version("sglang"),
-        "triton": _version("triton"),
+        "sglang": installed_version("sglang"),
+        "triton": installed_version("triton"),
         "shape": {"hidden": HIDDEN, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "experts": EXPERTS,
                   "top_k": TOP_K, "expert_intermediate_per_rank": EXPERT_INTERMEDIATE // TP, "dtype": "bfloat16"},
         "layout": "SGLang TP 2 / DP attention 2: attention projections local (attention TP 1); experts see "
@@ -146,23 +148,6 @@ def main() -> None:
             print(f"{name:14s} n={e['n']:4d} M={e['m']:4d}: equal {e['bitwise_equal']}, max diff "
                   f"{e['max_abs_diff']:.3g}, rows differing {e['rows_differing']}{extra}")
     print(f"wrote {path}")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

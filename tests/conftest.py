@@ -50,3 +50,25 @@ def gpu_test_module():
         return module
 
     return load
+
+
+class _FakeCudaEvent:
+    """``torch.cuda.Event`` on a CPU: records nothing; every interval is 1 ms."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "_FakeCudaEvent") -> float:
+        return 1.0
+
+
+@pytest.fixture
+def fake_cuda_events(monkeypatch):
+    """The benchmarks' forward timers run on a CPU: ``torch.cuda.Event`` is a no-op for the test."""
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)

@@ -26,12 +26,9 @@ def is_active() -> bool:
 
 
 def sglang_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    from bcg_plugin.doctor import installed_version
 
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
+    return installed_version("sglang")
 
 
 def version_problem(found: str | None) -> str | None:

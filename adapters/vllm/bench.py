@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bcg_plugin.bench.order import interleaved
-from bcg_plugin.bench.ranks import FileBarrier
+from bcg_plugin.bench.ranks import FileBarrier, free_port
 
 MODES = ("eager", "native", "native_ladder", "compile", "bcg", "bcg_compile")
 # vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
@@ -258,10 +257,7 @@ def first_token_ms(outputs: Any) -> float | None:
 def dp_rank_envs(dp: int) -> list[dict[str, str]]:
     """Per DP rank, the variables of vLLM's offline data-parallel recipe (one host, one free
     rendezvous port shared by the ranks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    group = {"VLLM_DP_SIZE": str(dp), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(port)}
+    group = {"VLLM_DP_SIZE": str(dp), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(free_port())}
     return [{**group, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)} for r in range(dp)]
 
 

@@ -8,12 +8,12 @@ enables bcg reaches a worker (:func:`arm_runner_patches`).
 
 from __future__ import annotations
 
-import importlib.metadata
 import threading
 from typing import Any
 
 from bcg_adapters.vllm.config import prefill_graphs_wanted
 from bcg_adapters.vllm.log import logger
+from bcg_plugin.doctor import installed_version
 
 
 class _State:
@@ -30,10 +30,7 @@ STATE = _State()
 
 
 def vllm_version() -> str | None:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version("vllm")
 
 
 def register() -> None:

@@ -4,15 +4,24 @@ vLLM's offline data parallelism runs one engine per process, and a rank's engine
 when that rank's own process sends a request: a rank that stays silent while another sends leaves
 the other waiting in the data-parallel collectives. The benchmark and the GPU tests therefore
 advance every rank's process together, one step at a time, through files in a shared directory.
+Processes that do rendezvous over TCP on one host get their port from :func:`free_port`.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 
 STEP_TIMEOUT_S = 300.0  # bounds one step's wait: an engine start-up on the slowest rank fits
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no process listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class FileBarrier:

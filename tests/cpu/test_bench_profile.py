@@ -71,7 +71,6 @@ def test_only_the_profile_flag_arms_the_modes(monkeypatch):
         harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], None, 1.0, profile_tokens=0)
 
 
-
 @pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
 def test_vllm_profile_across_processes_is_refused_before_any_mode_runs(monkeypatch, tmp_path, tp, dp):
     """vLLM's profiler lives in the engine's process: with tp or dp > 1 it would profile nothing."""
@@ -80,21 +79,13 @@ def test_vllm_profile_across_processes_is_refused_before_any_mode_runs(monkeypat
         harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 1.0, tp=tp, dp=dp, profile_tokens=16)
 
 
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        pass
-
-    def record(self):
-        pass
-
-
+@pytest.mark.usefixtures("fake_cuda_events")
 def test_the_vllm_forward_timer_profiles_the_armed_forward(monkeypatch):
     import contextlib
 
     from bcg_adapters.vllm import bench
 
     monkeypatch.setenv(PROFILE_TOKENS_ENV, "4")
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     timers = bench.Timers()
     timed = timers._timed_context(lambda *a, **k: contextlib.nullcontext())
     for armed in (False, True):

@@ -360,28 +360,14 @@ def test_key_and_value_reach_the_break_contiguous(monkeypatch):
     assert seen["rest"] == ((True, 3), {"key_value_num_tokens": None})
 
 
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        pass
-
-    def record(self):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return 1.0
-
-
 @pytest.mark.parametrize("mode, extend_in_batch, recorded", [
     ("EXTEND", False, True),
     ("IDLE", True, True),  # an idle DP rank padded to the other rank's extend replays too
     ("IDLE", False, False),
     ("DECODE", False, False),
 ])
+@pytest.mark.usefixtures("fake_cuda_events")
 def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_path, mode, extend_in_batch, recorded):
-    import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from bcg_adapters.sglang.bench import step_tokens
@@ -389,7 +375,6 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
 
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     fb = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), is_extend_in_batch=extend_in_batch,
                                input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3])
     out = around_forward(lambda self, batch: types.SimpleNamespace(can_run_graph=True), None, fb)
@@ -400,6 +385,7 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
         assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
 
 
+@pytest.mark.usefixtures("fake_cuda_events")
 def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp_path):
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -410,7 +396,6 @@ def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
     monkeypatch.setenv(PROFILE_TOKENS_ENV, "3")
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, is_extend_in_batch=True, input_ids=[1, 2, 3],
                                global_num_tokens_cpu=None)
 
@@ -488,34 +473,32 @@ def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatc
     assert [p.name for p in tmp_path.iterdir()] == [f"sglang-eager-{layout}.json"]
 
 
+def _meta(logprobs: list[float]) -> dict:
+    """SGLang's ``meta_info`` of a request whose only logprobs are its input tokens'."""
+    return {"input_token_logprobs": [(x, 7, None) for x in logprobs], "input_top_logprobs": [],
+            "output_token_logprobs": [], "output_top_logprobs": []}
+
+
 def test_the_check_refuses_logits_too_flat_to_see_a_stale_replay(gpu_test_module):
     """SGLang's unscaled dummy weights spread logprobs ~1e-5 nats: a stale replay hid in that noise."""
     gpu_test = gpu_test_module("test_sglang_gpu")
 
-    def meta(logprobs):
-        return {"input_token_logprobs": [(x, 7, None) for x in logprobs], "input_top_logprobs": [],
-                "output_token_logprobs": [], "output_top_logprobs": []}
-
-    assert gpu_test.spread_of([meta([-12.0, -10.0, -11.0])]) == pytest.approx(0.8165, rel=1e-3)
+    assert gpu_test.spread_of([_meta([-12.0, -10.0, -11.0])]) == pytest.approx(0.8165, rel=1e-3)
     with pytest.raises(AssertionError, match="too flat"):
-        gpu_test.spread_of([meta([-11.93, -11.93002, -11.93001])])
+        gpu_test.spread_of([_meta([-11.93, -11.93002, -11.93001])])
 
 
 def test_moe_check_tolerates_a_few_perturbed_positions_and_still_sees_a_stale_replay(gpu_test_module):
     """MoE: a few tokens whose experts flipped pass; a request moved almost everywhere fails, as dense does."""
     gpu_test = gpu_test_module("test_sglang_gpu")
 
-    def meta(logprobs):
-        return {"input_token_logprobs": [(x, 7, None) for x in logprobs], "input_top_logprobs": [],
-                "output_token_logprobs": [], "output_top_logprobs": []}
-
     ref = [-10.0 - 0.01 * i for i in range(100)]
     flipped = [x + (0.6 if i % 20 == 0 else 0.02) for i, x in enumerate(ref)]  # 5% moved by 0.6
     stale = [x + (0.01 if i % 10 == 0 else 2.0) for i, x in enumerate(ref)]  # 90% moved by 2
     moe, dense = gpu_test.error_quantile("qwen3-30b-a3b"), gpu_test.error_quantile("qwen3-0.6b")
     assert (moe, dense) == (gpu_test.MOE_QUANTILE, 1.0)
-    assert gpu_test.request_error(meta(flipped), meta(ref), 1.0, moe) == pytest.approx(0.02)
-    assert gpu_test.request_error(meta(flipped), meta(ref), 1.0, dense) == pytest.approx(0.6)  # fails dense
+    assert gpu_test.request_error(_meta(flipped), _meta(ref), 1.0, moe) == pytest.approx(0.02)
+    assert gpu_test.request_error(_meta(flipped), _meta(ref), 1.0, dense) == pytest.approx(0.6)  # fails dense
     for q in (moe, dense):
-        assert gpu_test.request_error(meta(stale), meta(ref), 1.0, q) == pytest.approx(2.0)
+        assert gpu_test.request_error(_meta(stale), _meta(ref), 1.0, q) == pytest.approx(2.0)
     assert gpu_test.TOL < 0.6

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,15 +19,10 @@ import urllib.request
 import pytest
 
 from bcg_plugin.bench.models import model_dir
+from bcg_plugin.bench.ranks import free_port
 from bcg_plugin.metrics import scraped_value
 
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 5.0) -> str:
@@ -89,7 +83,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def test_sglang_metrics_show_bcg_replays():
     pytest.importorskip("sglang")
     _server_importable("sglang.srt.entrypoints.http_server")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "BCG_STATS_INTERVAL_S": "1"}
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir("qwen3-0.6b")),
            "--load-format", "dummy", "--skip-tokenizer-init", "--attention-backend", "triton",
@@ -116,7 +110,7 @@ def test_sglang_metrics_show_bcg_replays():
 def test_vllm_metrics_show_bcg_replays():
     pytest.importorskip("vllm")
     _server_importable("vllm.entrypoints.openai.api_server")
-    port = _free_port()
+    port = free_port()
     # Counters made in vLLM's engine process reach the API server's /metrics through
     # prometheus_client's multiprocess mode.
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": tempfile.mkdtemp(prefix="bcg-prom-")}

@@ -66,7 +66,6 @@ torch) is written even when a check fails, then the test fails with every proble
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -380,13 +379,14 @@ def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters
                   problems: list[str]) -> Path:
     from bcg_plugin.bench.models import shape_summary
     from bcg_plugin.bench.report import environment, run_stamp
+    from bcg_plugin.doctor import installed_version
 
     env = environment()
     summary = {
         "test": "soak",
         "engine": engine,
-        "engine_version": _version(engine),
-        "bcg_plugin_version": _version("bcg-plugin"),
+        "engine_version": installed_version(engine),
+        "bcg_plugin_version": installed_version("bcg-plugin"),
         "commit": _commit(),
         "model": shape_summary(MODEL),
         "parallel": {"tp": TP, "dp": DP},
@@ -420,13 +420,6 @@ def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters
           flush=True)
     print(f"[bcg soak] summary: {path}", flush=True)
     return path
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _commit() -> str | None:
