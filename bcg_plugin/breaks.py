@@ -76,11 +76,16 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
                 for name, pos in positions:
                     out = kwargs[name] if name in kwargs else args[pos]
                     out[batch.num_tokens :].zero_()
+            return result
+
+        def capture_step(*args: Any, **kwargs: Any) -> Any:
+            # Runs once, at capture, in place of ``step``; replays call ``step`` itself.
+            result = step(*args, **kwargs)
             holds = _capture_holds.get()
             if holds is not None:
                 holds.keep(args, kwargs)
             return result
 
-        return no_graph(step)
+        return no_graph(step, capture_stub=capture_step)
 
     return decorate(fn) if fn is not None else decorate

@@ -14,12 +14,13 @@ and flushing the pinned-host cache hundreds of times makes the host's next steps
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from breakable_cuda_graphs import BreakableCUDAGraph, breakable_graph
+from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment, breakable_graph
 
 from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds
 from bcg_plugin.pool import GraphPool
@@ -49,26 +50,42 @@ class _BucketCapture(breakable_graph):
                                   capture_error_mode=self._capture_error_mode)
 
 
-if not callable(getattr(breakable_graph, "_new_graph_ctx", None)):  # pragma: no cover - pinned dependency
-    raise ImportError("bcg_plugin needs breakable-cuda-graphs 0.1.0 (breakable_graph._new_graph_ctx is missing)")
+if not callable(getattr(breakable_graph, "_new_graph_ctx", None)) or not {"fn", "args", "kwargs"} <= set(
+        getattr(_EagerSegment, "__slots__", ())):  # pragma: no cover - pinned dependency
+    raise ImportError("bcg_plugin needs breakable-cuda-graphs 0.1.0 (breakable_graph._new_graph_ctx or "
+                      "_EagerSegment's fn/args/kwargs are missing)")
+
+
+def _replay_step(segment: torch.cuda.CUDAGraph | _EagerSegment) -> Callable[[], None]:
+    # An eager segment's call bound up front: replay then calls the break directly, as vLLM's own
+    # breakable graphs do, instead of through the segment's replay method (one frame per break).
+    if isinstance(segment, _EagerSegment):
+        return functools.partial(segment.fn, *segment.args, **segment.kwargs)
+    return segment.replay
 
 
 class SegmentedGraph:
-    """A captured bucket: its graph segments and eager breaks, and what its breaks must keep alive."""
+    """A captured bucket: its graph segments and eager breaks, and what its breaks must keep alive.
+
+    Replay walks one flat tuple of calls (segment replays and bound breaks) built once at capture.
+    """
 
     def __init__(self, graph: BreakableCUDAGraph, holds: BreakArgumentHolds) -> None:
         self._graph = graph
         self._holds = holds
+        self._steps = tuple(_replay_step(segment) for segment in graph._segments)
 
     @property
     def num_segments(self) -> int:
         return len(self._graph._segments)
 
     def replay(self) -> None:
-        self._graph.replay()
+        for step in self._steps:
+            step()
 
     def release(self) -> None:
         # Graphs first, then the blocks they point at (pitfall 10).
+        self._steps = ()
         self._graph.reset()
         self._holds.clear()
 

@@ -24,18 +24,25 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @dataclasses.dataclass(frozen=True)
 class StaticInput:
-    """One per-row graph input: the core owns a ``[max_tokens, *row_shape]`` buffer for it.
+    """One per-row graph input: the core owns a ``[max_tokens, *row_shape]`` buffer for it,
+    or reads the host's own persistent buffer in place.
 
     Attributes:
         row_shape: shape of one token's row (``()`` for ids/positions, ``(hidden,)`` for embeds).
         dtype: buffer dtype.
         pad: value written into padded rows at every replay (embeds 0, positions 0, a dummy KV
             slot for cache locations), so the padded tail is deterministic and finite.
+        host_buffer: the host's persistent input buffer for this input, if it has one (rows of
+            ``row_shape`` and ``dtype``, at least the top bucket's count, contiguous, allocated
+            for the engine's lifetime). The graphs then read it in place, and a batch whose input
+            is a view of its first rows lands with no copy, as the host's own graphs do. Its padded
+            rows are still written with ``pad``. ``None``: the core allocates a buffer.
     """
 
     row_shape: tuple[int, ...]
     dtype: torch.dtype
     pad: float | int = 0
+    host_buffer: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass

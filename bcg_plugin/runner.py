@@ -67,6 +67,8 @@ class PrefillGraphRunner:
         self._embed = pm.hook.bcg_embed if pm.hook.bcg_embed.get_hookimpls() else None
         self._logits_tail = pm.hook.bcg_logits_tail if pm.hook.bcg_logits_tail.get_hookimpls() else None
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # comparable with tensors' devices
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.buckets: list[int] = []
         if self.config.active:
             from_host = self._hook.bcg_prefill_buckets(config=self.config)
@@ -157,13 +159,30 @@ class PrefillGraphRunner:
         if not specs:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
         top = self.buckets[-1]
-        self._static = {
-            name: torch.full((top, *spec.row_shape), spec.pad, dtype=spec.dtype, device=self.device)
-            for name, spec in specs.items()
-        }
+        self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
         self._pads = {name: spec.pad for name, spec in specs.items()}
         self._pool = GraphPool()
         return self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
+
+    def _static_buffer(self, name: str, spec: StaticInput, rows: int) -> torch.Tensor:
+        """The first ``rows`` rows of the host's buffer for input ``name``, or a new padded one."""
+        buf = spec.host_buffer
+        if buf is None:
+            return torch.full((rows, *spec.row_shape), spec.pad, dtype=spec.dtype, device=self.device)
+        problems = [
+            what for what, bad in (
+                (f"dtype {buf.dtype}, not {spec.dtype}", buf.dtype != spec.dtype),
+                (f"rows of shape {tuple(buf.shape[1:])}, not {spec.row_shape}", tuple(buf.shape[1:]) != spec.row_shape),
+                (f"{buf.shape[0] if buf.dim() else 0} rows, fewer than the top bucket's {rows}",
+                 buf.dim() == 0 or buf.shape[0] < rows),
+                (f"device {buf.device}, not {self.device}", buf.device != self.device),
+                ("not contiguous", not buf.is_contiguous()),
+            ) if bad
+        ]
+        if problems:
+            raise BcgConfigError(f"bcg_static_inputs: host_buffer of input {name!r} has {'; '.join(problems)}; "
+                                 "declare a matching buffer or none (the core then allocates one)")
+        return buf[:rows]
 
     def _capture_buckets(self, stream: torch.cuda.Stream, group: Any, progress: bool) -> None:
         ordered = sorted(self.buckets, reverse=True)
@@ -286,7 +305,8 @@ class PrefillGraphRunner:
             src = batch.inputs.get(name)
             if src is None:
                 raise BcgStateError(f"batch has no input {name!r}; the adapter declared it in bcg_static_inputs")
-            buf[:n].copy_(src[:n], non_blocking=True)
+            if src.data_ptr() != buf.data_ptr() or src.stride() != buf.stride():  # else already in place
+                buf[:n].copy_(src[:n], non_blocking=True)
             if n < bucket:
                 buf[n:bucket].fill_(self._pads[name])
 

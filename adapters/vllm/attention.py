@@ -2,14 +2,15 @@
 
 vLLM's attention layer calls this op with q, k, v and an ``output`` out-parameter; the op reads
 the batch's metadata, KV cache and layer from vLLM's forward context on every call. Registered as
-the op's kernel, the wrapper below ends the current graph segment under a bcg capture and re-runs
-at every replay; everywhere else (eager forwards, vLLM's own FULL decode capture) it is a plain
-call, because bcg breaks only under bcg's own capture.
+the op's kernel, vLLM's own function, marked as an eager break, ends the current graph segment
+under a bcg capture and re-runs at every replay; everywhere else (eager forwards, vLLM's own FULL
+decode capture) it is a plain call, because bcg breaks only under bcg's own capture.
 
-At capture and replay the wrapper runs the op with the forward context bound as the live batch's
-payload. During a replay that is the context vLLM set for this step, so this is a no-op identity
-check; it makes "which batch does attention read" a decision of the replay path alone, which is
-what the stale-metadata negative control in the GPU tests flips.
+The break reads whichever forward context is current when it runs: at capture the dummy batch's,
+which :meth:`~bcg_adapters.vllm.host.VllmHost.bcg_body_forward` binds, and at replay the one vLLM
+set for the step. A replay is a straight call of vLLM's function, as in vLLM's own breakable
+graphs; the stale-metadata negative control of the GPU tests binds the capture-time context
+around the replay instead (:meth:`~bcg_adapters.vllm.graphs.VllmPrefillGraphs.forward`).
 """
 
 from __future__ import annotations
@@ -17,22 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bcg_plugin import eager_break, live
+from bcg_plugin import eager_break
 
 
 def make_attention_break(original: Callable[..., Any]) -> Callable[..., Any]:
-    """The break kernel wrapping vLLM's registered ``unified_attention_with_output`` function."""
-    import vllm.forward_context as fc
-
-    @eager_break(outputs=("output",))
-    def unified_attention_with_output(query, key, value, output, layer_name, output_scale=None,
-                                      output_block_scale=None, kv_cache_dummy_dep=None) -> None:
-        batch = live.get()
-        context = batch.payload if batch is not None else None
-        if context is None or context is fc._forward_context:
-            original(query, key, value, output, layer_name, output_scale, output_block_scale, kv_cache_dummy_dep)
-            return
-        with fc.override_forward_context(context):
-            original(query, key, value, output, layer_name, output_scale, output_block_scale, kv_cache_dummy_dep)
-
-    return unified_attention_with_output
+    """The break kernel for vLLM's registered ``unified_attention_with_output`` function."""
+    return eager_break(original, outputs=("output",))

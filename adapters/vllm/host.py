@@ -32,6 +32,8 @@ class VllmHost:
             embeddings, prompt embeddings), where :class:`EagerEmbedding` runs it before landing.
         hidden_size, dtype, device: shape of the static ``inputs_embeds`` rows.
         stream: the capture stream of the enclosing ``graph_capture`` (set for the capture only).
+        persistent_inputs: the runner's own ``input_ids`` and ``positions`` buffers, which vLLM
+            fills in place every step; the graphs read them directly, so no input is copied per step.
     """
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device):
@@ -43,6 +45,7 @@ class VllmHost:
         self.dtype = vllm_config.model_config.dtype
         self.stream: torch.cuda.Stream | None = None
         self.capture_contexts: dict[int, Any] = {}
+        self.persistent_inputs: dict[str, torch.Tensor] = {}
 
     @property
     def graph_input(self) -> str:
@@ -74,9 +77,18 @@ class VllmHost:
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
         # Padded rows: token 0 (a real row of the embedding table), position 0.
-        first = (StaticInput((), torch.int32, 0) if self.embeds_in_graph
+        first = (StaticInput((), torch.int32, 0, self._persistent("input_ids", torch.int32)) if self.embeds_in_graph
                  else StaticInput((self.hidden_size,), self.dtype, 0.0))
-        return {self.graph_input: first, "positions": StaticInput((), torch.int64, 0)}
+        return {self.graph_input: first,
+                "positions": StaticInput((), torch.int64, 0, self._persistent("positions", torch.int64))}
+
+    def _persistent(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The runner's buffer for ``name`` if it is one the graphs can read in place, else ``None``
+        (the core then allocates its own and copies the step's rows in)."""
+        buf = self.persistent_inputs.get(name)
+        if buf is None or buf.dtype != dtype or buf.dim() != 1 or not buf.is_contiguous() or buf.device != self.device:
+            return None
+        return buf
 
     @hookimpl
     def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
@@ -144,6 +156,7 @@ class V2Host(VllmHost):
         self.block_tables = block_tables
         self.attn_groups = attn_groups
         self.kv_cache_config = kv_cache_config
+        self.persistent_inputs = {"input_ids": input_buffers.input_ids, "positions": input_buffers.positions}
 
     def capture_context(self, num_tokens: int) -> Any:
         from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
@@ -169,6 +182,11 @@ class V1Host(VllmHost):
     def __init__(self, runner: Any):
         super().__init__(runner.get_model(), runner.vllm_config, runner.device)
         self.runner = runner
+        for name in ("input_ids", "positions"):
+            buf = getattr(runner, name, None)
+            buf = getattr(buf, "gpu", buf)  # input_ids is a CPU/GPU buffer pair, positions a tensor (0.26)
+            if isinstance(buf, torch.Tensor):
+                self.persistent_inputs[name] = buf
 
     def capture_context(self, num_tokens: int) -> Any:
         from vllm.config.compilation import CUDAGraphMode

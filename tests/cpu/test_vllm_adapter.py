@@ -399,7 +399,7 @@ def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding()
     assert graphs._host_batch(context, inputs, 48, dummy=True) is None  # no graph at that size
 
 
-# -- the attention break reads the batch the replay path binds -----------------------------------
+# -- the attention break reads the forward context the replay path leaves current ----------------
 
 
 class RecordingImpl:
@@ -417,12 +417,12 @@ def fake_context(metadata, impl):
                                  slot_mapping={})
 
 
-def test_attention_kernel_binds_the_live_batch_and_scrubs_padded_rows():
+def test_attention_kernel_reads_the_current_context_and_scrubs_padded_rows():
     import vllm.forward_context as fc
     import vllm.model_executor.layers.attention.attention  # noqa: F401  registers the op
 
     impl = RecordingImpl()
-    vllm_ctx, bound_ctx = fake_context("vllm's", impl), fake_context("bound", impl)
+    vllm_ctx, other_ctx = fake_context("vllm's", impl), fake_context("other", impl)
     op = torch.ops.vllm.unified_attention_with_output
     q = torch.zeros(8, 2, 4)
     out = torch.zeros(8, 2, 4)
@@ -430,17 +430,53 @@ def test_attention_kernel_binds_the_live_batch_and_scrubs_padded_rows():
     RUNNER.patches[-1].apply()
     try:
         with fc.override_forward_context(vllm_ctx):
-            op(q, q, q, out, "layer.0")  # no bcg batch bound: vLLM's context, all rows written
+            op(q, q, q, out, "layer.0")  # no bcg batch bound: all rows written
             assert impl.seen[-1] == "vllm's" and out.eq(1).all()
-            with live.bound(LiveBatch(num_tokens=5, bucket=8, payload=bound_ctx)):
+            out.zero_()
+            with live.bound(LiveBatch(num_tokens=5, bucket=8, payload=other_ctx)):
                 op(q, q, q, out, "layer.0")
-            assert impl.seen[-1] == "bound"
+            assert impl.seen[-1] == "vllm's"  # the payload does not redirect attention; the context does
             assert out[:5].eq(1).all() and out[5:].eq(0).all()  # padded rows scrubbed
     finally:
         RUNNER.patches[-1].unapply()
-    with fc.override_forward_context(vllm_ctx), live.bound(LiveBatch(5, 8, bound_ctx)):
+    out.zero_()
+    with fc.override_forward_context(vllm_ctx), live.bound(LiveBatch(5, 8, other_ctx)):
         op(q, q, q, out, "layer.0")
-    assert impl.seen[-1] == "vllm's"  # the original kernel is back
+    assert out.eq(1).all()  # the original kernel is back: nothing scrubbed
+
+
+class _ReplayRecorder:
+    """The core runner's replay, recording the forward context current while it runs."""
+
+    def __init__(self):
+        self.contexts = []
+
+    def replay(self, bucket, batch):
+        from vllm.forward_context import get_forward_context
+
+        self.contexts.append(get_forward_context())
+        return "hidden"
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_replay_runs_under_the_steps_context_unless_the_stale_control_is_on(stale):
+    from vllm.forward_context import override_forward_context
+
+    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+
+    graphs = object.__new__(VllmPrefillGraphs)
+    graphs._buckets = frozenset({64})
+    graphs._slot_mapping_probe = None
+    graphs.stale_metadata = stale
+    captured = types.SimpleNamespace(name="captured")
+    graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts={64: captured})
+    graphs.runner = _ReplayRecorder()
+    step = types.SimpleNamespace(batch_descriptor=types.SimpleNamespace(num_tokens=64), slot_mapping={},
+                                 attn_metadata={"layer.0": types.SimpleNamespace(num_actual_tokens=40)})
+    inputs = {"input_ids": torch.zeros(64, dtype=torch.int32), "positions": torch.zeros(64, dtype=torch.int64)}
+    with override_forward_context(step):
+        assert graphs.forward(None, inputs) == "hidden"
+    assert graphs.runner.contexts == [captured if stale else step]
 
 
 # -- graph inputs ---------------------------------------------------------------------------------
@@ -463,12 +499,12 @@ class _Host:
 
 
 @pytest.mark.parametrize("prompt_embeds", [False, True])
-def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_config, prompt_embeds):
+def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_config, prompt_embeds, monkeypatch):
     from bcg_adapters.vllm.host import EagerEmbedding
     from bcg_plugin import HostBatch, plugin_manager
 
     config = make_config(model_config)
-    config.model_config.enable_prompt_embeds = prompt_embeds
+    monkeypatch.setattr(config.model_config, "enable_prompt_embeds", prompt_embeds)  # the model config is shared
     host = _Host(_TextModel(), config)
     statics = host.bcg_static_inputs()
     batch = host.bcg_dummy_batch(num_tokens=4)
@@ -484,6 +520,30 @@ def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_conf
         live_batch = HostBatch(num_tokens=3, inputs={"input_ids": torch.zeros(8, dtype=torch.int32)})
         assert pm.hook.bcg_embed(batch=live_batch)["inputs_embeds"].shape == (3, 1024)
     assert batch.payload == ("ctx", 4) and host.capture_contexts[4] == ("ctx", 4)
+
+
+def test_graphs_read_the_runners_persistent_input_buffers_in_place(model_config, monkeypatch):
+    from bcg_adapters.vllm.host import V1Host
+
+    config = make_config(model_config)
+    monkeypatch.setattr(config.model_config, "enable_prompt_embeds", False)  # the model config is shared
+    ids, positions = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int64)
+    # V1 0.26: input_ids is a CPU/GPU buffer pair, positions a plain tensor.
+    runner = types.SimpleNamespace(get_model=_TextModel, vllm_config=config, device=torch.device("cpu"),
+                                   input_ids=types.SimpleNamespace(gpu=ids, cpu=torch.zeros(64)), positions=positions)
+    statics = V1Host(runner).bcg_static_inputs()
+    assert statics["input_ids"].host_buffer is ids and statics["positions"].host_buffer is positions
+
+    host = _Host(_TextModel(), config)
+    host.persistent_inputs = {"input_ids": ids.long(), "positions": torch.zeros(3, 64, dtype=torch.int64)}
+    statics = host.bcg_static_inputs()  # a buffer the graphs cannot read in place: the core copies into its own
+    assert statics["input_ids"].host_buffer is None and statics["positions"].host_buffer is None
+
+    monkeypatch.setattr(config.model_config, "enable_prompt_embeds", True)  # graphs start from embeddings
+    host = _Host(_TextModel(), config)
+    host.persistent_inputs = {"input_ids": ids, "positions": positions}
+    statics = host.bcg_static_inputs()
+    assert statics["inputs_embeds"].host_buffer is None and statics["positions"].host_buffer is positions
 
 
 # -- stats over collective RPC ----------------------------------------------------------------------
