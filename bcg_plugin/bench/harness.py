@@ -135,6 +135,9 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         "rounds": rounds,
         "modes": {},
     }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
+    path = out_dir / f"{engine}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
     # Later rounds reverse the order, so no mode always runs first on a cold machine.
     per_mode: dict[str, list[dict]] = {m: [] for m in modes}
     order = []
@@ -144,14 +147,19 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
             print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}) ...", flush=True)
             per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens))
             print(f"[bcg bench] {engine} {mode}: {summary_line(per_mode[mode][-1])}", flush=True)
-    result["order"] = order
-    result["modes"] = {m: _merge_rounds(per_mode[m]) for m in modes}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
-    path = out_dir / f"{engine}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
-    path.write_text(json.dumps(result, indent=2))
+            # Written after every mode: a run stopped from outside keeps the processes it finished.
+            _write(path, result, per_mode, order, planned=rounds * len(modes))
     render(path)
     return path
+
+
+def _write(path: Path, result: dict, per_mode: dict[str, list[dict]], order: list[str], *, planned: int) -> None:
+    result["order"] = list(order)
+    result["processes"] = {"finished": len(order), "planned": planned}
+    result["modes"] = {m: _merge_rounds(runs) for m, runs in per_mode.items() if runs}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)  # never a half-written file, whenever the run is stopped
 
 
 def _layout(result: dict) -> str:
@@ -206,6 +214,10 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
            "init and capture seconds are each mode's minimum over rounds." if result.get("rounds", 1) > 1 else "."),
         "",
     ]
+    processes = result.get("processes") or {}
+    if processes.get("finished", 0) < processes.get("planned", 0):
+        lines += [f"Incomplete run: {processes['finished']} of {processes['planned']} mode processes finished before "
+                  f"it was stopped ({', '.join(result['order'])}).", ""]
     notes = [f"Note ({', '.join(m for m, d in good.items() if d.get('note') == note)}): {note}."
              for note in dict.fromkeys(d["note"] for d in good.values() if d.get("note"))]
     if notes:

@@ -35,6 +35,36 @@ def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     assert "2 rounds in alternating order" in md and "| 16 | 17.00 | 18.00 |" in md
 
 
+class _Stopped(BaseException):
+    """What a run killed from outside looks like to the harness: nothing after this point runs."""
+
+
+def test_a_run_stopped_from_outside_keeps_every_mode_process_it_finished(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+        calls.append(mode)
+        if len(calls) == 4:
+            raise _Stopped
+        return {"e2e_ms": {str(n): float(n + len(calls)) for n in sizes}}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    try:
+        harness.run("vllm", "qwen3-0.6b", [16], ["native_ladder", "bcg"], tmp_path, 10, rounds=3)
+    except _Stopped:
+        pass
+    [path] = tmp_path.glob("*.json")  # no temporary file left beside it
+    result = json.loads(path.read_text())
+    assert result["order"] == ["native_ladder", "bcg", "bcg"] and result["processes"] == {"finished": 3, "planned": 6}
+    assert result["modes"]["bcg"]["e2e_ms"] == {"16": 18.0} and len(result["modes"]["bcg"]["rounds"]) == 2
+    assert result["modes"]["native_ladder"]["e2e_ms"] == {"16": 17.0}
+    md = harness.to_markdown(result)
+    assert "Incomplete run: 3 of 6 mode processes finished before it was stopped (native_ladder, bcg, bcg)" in md
+    complete = harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path / "full", 10)
+    assert "Incomplete" not in (complete.parent / complete.name.replace(".json", ".md")).read_text()
+
+
 def test_a_failing_mode_is_reported_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "run_mode", lambda *a: {"error": "timed out after 10 s", "log_tail": ""})
     monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
