@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -228,6 +229,12 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     for key, heading in (("e2e_ms", "End-to-end ratios"), ("ttft_ms", "Time-to-first-token ratios")):
         if "bcg" in good and len(good) > 1 and good["bcg"].get(key):
             lines += [f"## {heading} (below 1: bcg faster)", "", *_table(sizes, _bcg_ratios(good, key, sizes), 3), ""]
+    paired = _paired_ratios(good, sizes)
+    if paired:
+        lines += ["## End-to-end ratios paired by round (median over rounds of bcg / mode within one round)", "",
+                  "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
+                  "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
+                  "wider.", "", *_table(sizes, paired, 3), ""]
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
@@ -253,6 +260,23 @@ def _bcg_ratios(good: dict, key: str, sizes: list[str]) -> dict[str, dict]:
     ratios["bcg / best other"] = {
         n: _ratio(bcg.get(n), min((e[n] for e in others.values() if n in e), default=None)) for n in sizes}
     return ratios
+
+
+def _paired_ratios(good: dict, sizes: list[str]) -> dict[str, dict]:
+    """Per other mode, the median over rounds of bcg's e2e over that mode's in the same round; only
+    over rounds in which both ran, and only with two such rounds or more."""
+    mine = (good.get("bcg") or {}).get("rounds") or []
+    columns = {}
+    for mode, data in good.items():
+        if mode == "bcg":
+            continue
+        pairs = [(a["e2e_ms"], b["e2e_ms"]) for a, b in zip(mine, data.get("rounds") or [])
+                 if "e2e_ms" in a and "e2e_ms" in b]
+        if len(pairs) >= 2:
+            columns[f"bcg / {mode}"] = {
+                n: statistics.median(a[n] / b[n] for a, b in pairs) if all(n in a and n in b for a, b in pairs)
+                else None for n in sizes}
+    return columns
 
 
 def _table(sizes: list[str], columns: dict[str, dict], digits: int = 2) -> list[str]:

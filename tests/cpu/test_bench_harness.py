@@ -35,6 +35,27 @@ def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     assert "2 rounds in alternating order" in md and "| 16 | 17.00 | 18.00 |" in md
 
 
+def test_ratios_paired_by_round_are_not_swayed_by_one_lucky_process(tmp_path, monkeypatch):
+    # native_ladder is fast in one of three processes; bcg is steady and faster in the other two.
+    e2e = {"bcg": [9.0, 9.0, 9.0, 9.0], "native_ladder": [10.0, 5.0, 10.0]}  # bcg's fourth: the one-round run
+    seen = {m: 0 for m in e2e}
+
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+        value = e2e[mode][seen[mode]]
+        seen[mode] += 1
+        return {"e2e_ms": {str(n): value for n in sizes}}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("vllm", "qwen3-0.6b", [16], ["native_ladder", "bcg"], tmp_path, 10, rounds=3)
+    md = (tmp_path / path.name.replace(".json", ".md")).read_text()
+    minimum, paired = md.split("## End-to-end ratios (below 1")[1].split("## End-to-end ratios paired by round")
+    assert "| 16 | 1.800 | 1.800 |" in minimum  # per-N minimum: 9 against the one 5
+    assert "| N | bcg / native_ladder |" in paired and "| 16 | 0.900 |" in paired  # median of 0.9, 1.8, 0.9
+    one_round = harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path / "one", 10)
+    assert "paired by round" not in (one_round.parent / one_round.name.replace(".json", ".md")).read_text()
+
+
 class _Stopped(BaseException):
     """What a run killed from outside looks like to the harness: nothing after this point runs."""
 
