@@ -1,10 +1,11 @@
-"""A host-side profile of one model forward (``bcg bench --profile N``), benchmark only.
+"""A profile of one model forward (``bcg bench --profile N``), benchmark only.
 
 Where a mode's host time goes when a forward is launch-bound: how many CUDA runtime calls (graph
-launches, kernel launches, copies) and which torch ops it issues, under ``torch.profiler``. Every
-mode of a run profiles one forward of the same size the same way, so they compare with each other;
-the profiler's overhead makes its host time no match for the timed ones. The profiled forward
-comes from one extra request after the timed ones, so no median includes it.
+launches, kernel launches, copies) and which torch ops it issues, under ``torch.profiler``. Where
+it is GPU-bound, which kernels take the device time (kernels replayed from CUDA graphs included).
+Every mode of a run profiles one forward of the same size the same way, so they compare with each
+other; the profiler's overhead makes its host time no match for the timed ones. The profiled
+forward comes from one extra request after the timed ones, so no median includes it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 PROFILE_TOKENS_ENV = "BCG_BENCH_PROFILE_TOKENS"
 TOP_OPS = 25  # ops kept per profile, by host time spent in the op itself
+TOP_KERNELS = 12  # kernels kept per profile, by device time: a few per layer type of a transformer
 CUDA_RUNTIME_PREFIX = "cuda"  # the runtime API calls (cudaGraphLaunch, cudaLaunchKernel, ...) torch records
 
 
@@ -70,6 +72,9 @@ def summarize(averages, host_ms: float, activities: list[str], tokens: int) -> d
     runtime = {k: c for k, c, _ in events if k.startswith(CUDA_RUNTIME_PREFIX)}
     ops = [(k, c, us) for k, c, us in events if k.startswith("aten::")]
     top = sorted(events, key=lambda e: -e[2])[:TOP_OPS]
+    # Device-side events only: a torch op's own device time repeats its kernels'.
+    kernels = [(e.key, int(e.count), float(e.self_device_time_total)) for e in averages
+               if getattr(getattr(e, "device_type", None), "name", None) == "CUDA"]
     return {
         "tokens": tokens,
         "host_ms": host_ms,
@@ -77,6 +82,9 @@ def summarize(averages, host_ms: float, activities: list[str], tokens: int) -> d
         "cuda_runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1])),
         "aten_ops": sum(c for _, c, _ in ops),
         "top_self_cpu_us": [{"name": k, "count": c, "self_cpu_us": round(us, 1)} for k, c, us in top],
+        "device_us": round(sum(us for *_, us in kernels), 1),
+        "top_device_us": [{"name": k, "count": c, "device_us": round(us, 1)}
+                          for k, c, us in sorted(kernels, key=lambda e: -e[2])[:TOP_KERNELS]],
     }
 
 
@@ -96,7 +104,23 @@ def markdown(modes: dict) -> list[str]:
         cells = [f"{p['host_ms']:.2f}", str(p["aten_ops"]), *(str(p["cuda_runtime_calls"].get(k, 0)) for k in calls),
                  f"{top['name']} x{top['count']}: {top['self_cpu_us']:.0f}" if top else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    kernels = {m: p for m, p in profiled.items() if p.get("top_device_us")}
+    if kernels:
+        lines += ["", "Kernels with the most device time in that forward (µs, summed over their calls):", ""]
+        for m, p in kernels.items():
+            lines.append(f"- {m}: {p['device_us']:.0f} µs on the device in all; " + "; ".join(
+                f"{_short(k['name'])} x{k['count']}: {k['device_us']:.0f}" for k in p["top_device_us"][:5]))
     skipped = [m for m, d in modes.items() if "e2e_ms" in d and not d.get("host_profile")]
     if skipped:
         lines += ["", f"Not profiled (no forward of exactly {tokens} tokens in this process): {', '.join(skipped)}."]
     return lines + [""]
+
+
+_KERNEL_WRAPPERS = ("cutlass::device_kernel", "flash::enable_sm90_or_later")  # templates that only wrap the kernel
+
+
+def _short(kernel: str, width: int = 60) -> str:
+    """A kernel's name without its template arguments or wrappers, cut to ``width`` characters."""
+    parts = [p.strip() for p in kernel.removeprefix("void ").split("<")]
+    name = next((p for p in parts if p not in _KERNEL_WRAPPERS), parts[0])
+    return name if len(name) <= width else name[: width - 1] + "…"

@@ -30,6 +30,28 @@ def test_only_an_armed_forward_of_exactly_n_tokens_is_profiled_and_only_once():
     assert profiler.summary is summary
 
 
+def _event(key, count, cpu_us, device_us=0.0, device="CPU"):
+    import types
+
+    return types.SimpleNamespace(key=key, count=count, self_cpu_time_total=cpu_us,
+                                 self_device_time_total=device_us, device_type=types.SimpleNamespace(name=device))
+
+
+def test_the_summary_ranks_kernels_by_device_time_without_counting_their_ops_twice():
+    averages = [_event("aten::mm", 2, 30.0, device_us=80.0),  # the op's own device time repeats its kernel's
+                _event("cudaGraphLaunch", 3, 12.0),
+                _event("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<cute::tuple<int>, "
+                       "128> > >(Params)", 2, 0.0, 50.0, "CUDA"),
+                _event("nvjet_sm90_tst_64x8", 2, 0.0, 80.0, "CUDA")]
+    summary = profile.summarize(averages, 1.5, ["CPU", "CUDA"], 1024)
+    assert summary["device_us"] == 130.0
+    assert [k["name"] for k in summary["top_device_us"]] == [
+        "nvjet_sm90_tst_64x8", averages[2].key]
+    modes = {"bcg": {"e2e_ms": {"1024": 1.0}, "host_profile": summary}}
+    table = "\n".join(profile.markdown(modes))
+    assert "- bcg: 130 µs on the device in all; nvjet_sm90_tst_64x8 x2: 80; flash::FlashAttnFwdSm90 x2: 50" in table
+
+
 @pytest.mark.parametrize("value, error", [("abc", "expected a token count"), ("0", "must be a token count >= 1")])
 def test_a_bad_profile_size_names_the_variable(value, error):
     with pytest.raises(ValueError, match=f"{PROFILE_TOKENS_ENV}.*{error}"):
