@@ -51,9 +51,10 @@ class PrefillGraphRunner:
     """Engine-agnostic prefill/extend graphs keyed by padded token count.
 
     Holds one :class:`~bcg_plugin.capture.SegmentedGraph` per bucket, the static per-row input
-    buffers and one shared output buffer (all sized for the top bucket and allocated outside
-    capture, so no bucket's inputs or outputs can be aliased by a later allocation:
-    pitfalls 2 and 3), and the one pool and stream all buckets capture into.
+    buffers (its own, or views of the host's persistent ones where the adapter declares them) and
+    one shared output buffer (all sized for the top bucket and allocated outside capture, so no
+    bucket's inputs or outputs can be aliased by a later allocation: pitfalls 2 and 3), and the one
+    pool and stream all buckets capture into.
 
     One replay is a straight line: the adapter picks the bucket (:meth:`bucket_for`), the core
     lands the inputs and replays segments and breaks with the live batch bound
