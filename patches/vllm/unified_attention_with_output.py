@@ -88,6 +88,6 @@ PATCH = KernelPatch(
     module=MODULE,
     op=OP,
     params=PARAMS,
-    reason="run attention as an eager break between bcg's graph segments, reading the live batch",
+    reason="run vLLM's attention function as an eager break between bcg's graph segments, reading the step's forward context",
     remove_when="vLLM's attention op is a break for external capture without VLLM_USE_BREAKABLE_CUDAGRAPH",
 )
