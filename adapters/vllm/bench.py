@@ -149,8 +149,10 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
     from bcg_plugin.ladder import reference_ladder
 
     chunk = max(max(sizes), 2048)
+    # max_num_seqs stays vLLM's default: it sets the default graph sizes (native's, and the FULL
+    # decode graphs bcg keeps) as users get them, up to 512 tokens on H200-class GPUs.
     kwargs = dict(model=str(model_dir(model)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  max_model_len=chunk + 64, max_num_batched_tokens=chunk, max_num_seqs=16, seed=0,
+                  max_model_len=chunk + 64, max_num_batched_tokens=chunk, seed=0,
                   enable_prefix_caching=False, gpu_memory_utilization=0.5,
                   tensor_parallel_size=tp, worker_extension_cls=WORKER_EXTENSION)
     if dp > 1:  # the experts spread over the DP ranks: their dispatch is a collective of all of them

@@ -589,6 +589,7 @@ def test_bench_engine_kwargs_are_vllm_engine_args(mode):
 
     args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
     assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
+    assert args.max_num_seqs is None  # vLLM's default, which sets native's default graph sizes
     moe = EngineArgs(**engine_kwargs(mode, "qwen3-30b-a3b", [16, 2048], dp=2))
     assert moe.enable_expert_parallel and not moe.disable_log_stats  # request metrics: time to first token
 
