@@ -48,6 +48,7 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
         for flag, size in (parallel or {}).items():
             if size > 1:
                 cmd += [f"--{flag}", str(size)]
+        load = os.getloadavg()[0]  # a busy host shows in the run, not only in its spread
         t0 = time.perf_counter()
         # Its own process group: the engine's workers, schedulers and DP ranks end with the mode.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -64,6 +65,7 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
             return {"error": f"exit code {proc.returncode}", "log_tail": (stdout + stderr)[-4000:]}
         data = json.loads(out.read_text())
         data["wall_s"] = wall
+        data["load_avg_at_start"] = load
         return data
 
 
@@ -215,6 +217,10 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
            "init and capture seconds are each mode's minimum over rounds." if result.get("rounds", 1) > 1 else "."),
         "",
     ]
+    loads = [r["load_avg_at_start"] for d in good.values() for r in (d.get("rounds") or [d]) if "load_avg_at_start" in r]
+    if loads:
+        lines += [f"Host load (1-minute average) when each mode process started: {min(loads):.1f} to {max(loads):.1f}, "
+                  f"on {result['env'].get('cpus', '?')} CPUs.", ""]
     processes = result.get("processes") or {}
     if processes.get("finished", 0) < processes.get("planned", 0):
         lines += [f"Incomplete run: {processes['finished']} of {processes['planned']} mode processes finished before "

@@ -56,6 +56,23 @@ def test_ratios_paired_by_round_are_not_swayed_by_one_lucky_process(tmp_path, mo
     assert "paired by round" not in (one_round.parent / one_round.name.replace(".json", ".md")).read_text()
 
 
+def test_a_mode_process_records_the_host_load_it_started_under(tmp_path, monkeypatch):
+    (tmp_path / "fake_mode.py").write_text(
+        "import json, sys\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "json.dump({'e2e_ms': {'16': 1.0}}, open(out, 'w'))\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(harness.ENGINES, "fake", {**harness.ENGINES["vllm"], "module": "fake_mode"})
+    monkeypatch.setattr(harness.os, "getloadavg", lambda: (7.5, 1.0, 1.0))
+    data = harness.run_mode("fake", "bcg", "qwen3-0.6b", [16], 60)
+    assert data["e2e_ms"] == {"16": 1.0} and data["load_avg_at_start"] == 7.5 and data["wall_s"] > 0
+    result = {"engine": "vllm", "engine_version": "9", "model": {"name": "qwen3-0.6b"}, "date": "d", "gpu": "g",
+              "env": {"torch": "t", "cpus": 16}, "sizes": [16], "rounds": 2,
+              "modes": {"bcg": {**data, "rounds": [data, {**data, "load_avg_at_start": 2.0}]}}}
+    assert "Host load (1-minute average) when each mode process started: 2.0 to 7.5, on 16 CPUs." in (
+        harness.to_markdown(result))
+
+
 class _Stopped(BaseException):
     """What a run killed from outside looks like to the harness: nothing after this point runs."""
 
