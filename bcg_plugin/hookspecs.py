@@ -44,6 +44,18 @@ class StaticInput:
     pad: float | int = 0
     host_buffer: torch.Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
 
+    def buffer_problems(self, buf: torch.Tensor, device: torch.device, rows: int = 0) -> list[str]:
+        """Why ``buf`` cannot hold this input's first ``rows`` rows in place on ``device`` (empty if it can)."""
+        checks = (
+            (f"dtype {buf.dtype}, not {self.dtype}", buf.dtype != self.dtype),
+            (f"rows of shape {tuple(buf.shape[1:])}, not {self.row_shape}", tuple(buf.shape[1:]) != self.row_shape),
+            (f"{buf.shape[0] if buf.dim() else 0} rows, fewer than the top bucket's {rows}",
+             buf.dim() == 0 or buf.shape[0] < rows),
+            (f"device {buf.device}, not {device}", buf.device != device),
+            ("not contiguous", not buf.is_contiguous()),
+        )
+        return [what for what, bad in checks if bad]
+
 
 @dataclasses.dataclass
 class HostBatch:

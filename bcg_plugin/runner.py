@@ -67,7 +67,7 @@ class PrefillGraphRunner:
         # Bound once: replay calls them every forward, and an unimplemented hook is skipped.
         self._embed = pm.hook.bcg_embed if pm.hook.bcg_embed.get_hookimpls() else None
         self._logits_tail = pm.hook.bcg_logits_tail if pm.hook.bcg_logits_tail.get_hookimpls() else None
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        self.device = torch.device("cuda" if device is None else device)
         if self.device.type == "cuda" and self.device.index is None:  # comparable with tensors' devices
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.buckets: list[int] = []
@@ -170,16 +170,7 @@ class PrefillGraphRunner:
         buf = spec.host_buffer
         if buf is None:
             return torch.full((rows, *spec.row_shape), spec.pad, dtype=spec.dtype, device=self.device)
-        problems = [
-            what for what, bad in (
-                (f"dtype {buf.dtype}, not {spec.dtype}", buf.dtype != spec.dtype),
-                (f"rows of shape {tuple(buf.shape[1:])}, not {spec.row_shape}", tuple(buf.shape[1:]) != spec.row_shape),
-                (f"{buf.shape[0] if buf.dim() else 0} rows, fewer than the top bucket's {rows}",
-                 buf.dim() == 0 or buf.shape[0] < rows),
-                (f"device {buf.device}, not {self.device}", buf.device != self.device),
-                ("not contiguous", not buf.is_contiguous()),
-            ) if bad
-        ]
+        problems = spec.buffer_problems(buf, self.device, rows)
         if problems:
             raise BcgConfigError(f"bcg_static_inputs: host_buffer of input {name!r} has {'; '.join(problems)}; "
                                  "declare a matching buffer or none (the core then allocates one)")

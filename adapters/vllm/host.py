@@ -86,9 +86,7 @@ class VllmHost:
         """The runner's buffer for ``name`` if it is one the graphs can read in place, else ``None``
         (the core then allocates its own and copies the step's rows in)."""
         buf = self.persistent_inputs.get(name)
-        if buf is None or buf.dtype != dtype or buf.dim() != 1 or not buf.is_contiguous() or buf.device != self.device:
-            return None
-        return buf
+        return buf if buf is not None and not StaticInput((), dtype).buffer_problems(buf, self.device) else None
 
     @hookimpl
     def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
