@@ -381,14 +381,20 @@ class _CallableModel:
         return self._fn(**kwargs)
 
 
-def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding():
+def _graphs_with_bucket_64(stale: bool = False, capture_contexts: dict | None = None):
+    """VllmPrefillGraphs past its capture (one bucket, 64), without a model runner behind it."""
     from bcg_adapters.vllm.graphs import VllmPrefillGraphs
 
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._buckets = frozenset({64})
     graphs._slot_mapping_probe = None
-    graphs.stale_metadata = False
-    graphs.host = types.SimpleNamespace(embeds_in_graph=True)
+    graphs.stale_metadata = stale
+    graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts=capture_contexts or {})
+    return graphs
+
+
+def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding():
+    graphs = _graphs_with_bucket_64()
     context = types.SimpleNamespace(attn_metadata=None, slot_mapping={})
     inputs = {"input_ids": torch.zeros(64, dtype=torch.int32), "positions": torch.zeros(64, dtype=torch.int64),
               "inputs_embeds": None, "intermediate_tensors": None}
@@ -462,14 +468,8 @@ class _ReplayRecorder:
 def test_replay_runs_under_the_steps_context_unless_the_stale_control_is_on(stale):
     from vllm.forward_context import override_forward_context
 
-    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
-
-    graphs = object.__new__(VllmPrefillGraphs)
-    graphs._buckets = frozenset({64})
-    graphs._slot_mapping_probe = None
-    graphs.stale_metadata = stale
     captured = types.SimpleNamespace(name="captured")
-    graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts={64: captured})
+    graphs = _graphs_with_bucket_64(stale, {64: captured})
     graphs.runner = _ReplayRecorder()
     step = types.SimpleNamespace(batch_descriptor=types.SimpleNamespace(num_tokens=64), slot_mapping={},
                                  attn_metadata={"layer.0": types.SimpleNamespace(num_actual_tokens=40)})
