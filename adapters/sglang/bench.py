@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from bcg_adapters.sglang import settings
+from bcg_plugin.bench.hostspeed import HostSpeed
 from bcg_plugin.bench.order import interleaved
 from bcg_plugin.bench.profile import PROFILE_TOKENS_ENV
 
@@ -77,7 +78,9 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
             for _ in range(warmup):
                 engine.generate(input_ids=prompts[n], sampling_params=params)
         mark = _line_count(record)
+        speed = HostSpeed()  # this process issues the requests; the schedulers run the forwards
         for n in interleaved(sizes, iters):
+            speed.sample()
             s = time.perf_counter()
             engine.generate(input_ids=prompts[n], sampling_params=params)
             times[n].append((time.perf_counter() - s) * 1e3)
@@ -111,6 +114,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         "capture_s": capture.get("seconds", 0.0),
         "graph_mem_gib": capture.get("memory_gib", 0.0),
         "host_profile": host_profile,
+        "host_speed": speed.summary(),
         "prefill_runner": capture.get("runner"),
         "bcg_pool_gib": capture.get("bcg_pool_gib"),
         "bcg_capture_s": capture.get("bcg_capture_s"),

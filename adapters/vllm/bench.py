@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bcg_plugin.bench.hostspeed import HostSpeed
 from bcg_plugin.bench.order import interleaved
 from bcg_plugin.bench.ranks import FileBarrier, free_port
 
@@ -208,7 +209,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     for n in sizes:
         for _ in range(warmup):
             generate(n)
+    speed = HostSpeed()
     for n in interleaved(sizes, reps):
+        speed.sample()
         elapsed, f, ttft = generate(n)
         times[n].append(elapsed)
         if f is not None:
@@ -226,7 +229,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
     result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp,
-              "data_parallel_size": dp}
+              "data_parallel_size": dp, "host_speed": speed.summary()}
     if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bcg_plugin.bench import profile, targets
+from bcg_plugin.bench import hostspeed, profile, targets
 from bcg_plugin.bench.models import shape_summary
 from bcg_plugin.bench.report import (
     environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
@@ -198,7 +198,9 @@ def render(path: Path) -> list[Path]:
 def summary_line(d: dict) -> str:
     if "error" in d:
         return f"FAILED ({d['error']})"
-    return "e2e " + " ".join(f"{n}:{v:.2f}" for n, v in d["e2e_ms"].items())
+    speed = d.get("host_speed")
+    return "e2e " + " ".join(f"{n}:{v:.2f}" for n, v in d["e2e_ms"].items()) + (
+        f" (host probe {speed['probe_us']:.0f} µs)" if speed else "")
 
 
 def to_markdown(result: dict, images: list[str] = ()) -> str:
@@ -241,6 +243,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
                   "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
                   "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
                   "wider.", "", *_table(sizes, paired, 3), ""]
+    lines += hostspeed.markdown(_processes(result))
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
@@ -256,6 +259,20 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     if failed:
         lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]
     return "\n".join(lines) + "\n"
+
+
+def _processes(result: dict) -> list[tuple[str, int, dict | None]]:
+    """(mode, round, host speed) of every mode process, in the order the run started them."""
+    seen: dict[str, int] = {}
+    processes = []
+    for mode in result.get("order") or []:
+        data = result["modes"].get(mode) or {}
+        k = seen.get(mode, 0)
+        seen[mode] = k + 1
+        runs = data.get("rounds") or [data]
+        if k < len(runs):
+            processes.append((mode, k + 1, runs[k].get("host_speed")))
+    return processes
 
 
 def _bcg_ratios(good: dict, key: str, sizes: list[str]) -> dict[str, dict]:
