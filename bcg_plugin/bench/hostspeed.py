@@ -1,8 +1,8 @@
 """How fast the host ran a mode's bench process: a fixed CPU workload timed between its requests.
 
-On a shared or virtualised host one process can run all its host-side work (launches, allocator,
-Python) a third slower than the next, for its whole life, with the same calls and ops. Small-N
-latencies are host-bound, so such a process decides a small-N comparison by itself. The probe makes
+On a shared or virtualised host one process can run its host-side work (launches, allocator,
+Python) a third slower than the next, with the same calls and ops. Small-N latencies are
+host-bound, so such a process decides a small-N comparison by itself. The probe makes
 that visible in the result file: every mode process times the same pure-Python workload between its
 timed requests, on the thread that issues them, and records which CPUs that thread ran on.
 """
@@ -37,7 +37,7 @@ def current_cpu(stat: Path = Path("/proc/thread-self/stat")) -> int | None:
     except (OSError, IndexError):
         return None
     # Field 39 of proc(5) ``stat``; ``fields`` starts at field 3 (state), after the command name.
-    return int(fields[36]) if len(fields) > 36 and fields[36].lstrip("-").isdigit() else None
+    return int(fields[36]) if len(fields) > 36 and fields[36].isdigit() else None
 
 
 class HostSpeed:
