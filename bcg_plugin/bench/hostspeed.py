@@ -4,14 +4,13 @@ On a shared or virtualised host one process can run its host-side work (launches
 Python) a third slower than the next, with the same calls and ops. Small-N latencies are
 host-bound, so such a process decides a small-N comparison by itself. The probe makes
 that visible in the result file: every mode process times the same pure-Python workload between its
-timed requests, on the thread that issues them, and records which CPUs that thread ran on.
+timed requests, on the main thread, which issues them, and records which CPUs that thread ran on.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
 
 PROBE_LOOPS = 20_000  # about 1 ms of pure Python on a current server core: cheap between requests
 PROBE_REPEATS = 3  # best of three: a single preemption is not a slow host
@@ -30,14 +29,12 @@ def probe_us() -> float:
     return best * 1e6
 
 
-def current_cpu(stat: Path = Path("/proc/thread-self/stat")) -> int | None:
-    """The CPU this thread last ran on (Linux), ``None`` where the kernel does not say."""
-    try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # Field 39 of proc(5) ``stat``; ``fields`` starts at field 3 (state), after the command name.
-    return int(fields[36]) if len(fields) > 36 and fields[36].isdigit() else None
+def current_cpu() -> int | None:
+    """The CPU this process's main thread last ran on, ``None`` where the platform does not say."""
+    import psutil
+
+    cpu_num = getattr(psutil.Process(), "cpu_num", None)  # Linux, FreeBSD, SunOS
+    return cpu_num() if cpu_num is not None else None
 
 
 class HostSpeed:
@@ -61,7 +58,7 @@ class HostSpeed:
                 "max_us": round(max(self.samples), 1), "samples": len(self.samples), "cpus": sorted(self.cpus)}
 
 
-def markdown(processes: list[tuple[str, int, dict]]) -> list[str]:
+def markdown(processes: list[tuple[str, int, dict | None]]) -> list[str]:
     """A table of the run's processes in run order, (mode, round, host_speed summary) each; empty
     when no process recorded a probe."""
     probed = [(m, r, s) for m, r, s in processes if s]

@@ -9,22 +9,16 @@ import pytest
 from bcg_plugin.bench import harness, hostspeed
 
 
-def _stat(processor: str) -> str:
-    # proc(5): pid (comm) state, then fields 4..; field 39 is the CPU. The command name may hold ") ".
-    rest = ["S"] + [str(i) for i in range(4, 39)] + [processor] + ["0"] * 13
-    return "4242 (bench) (a b)) " + " ".join(rest)
+def test_current_cpu_is_psutils_cpu_of_this_process(monkeypatch):
+    import psutil
+
+    monkeypatch.setattr(psutil.Process, "cpu_num", lambda self: 7, raising=False)
+    assert hostspeed.current_cpu() == 7
+    monkeypatch.delattr(psutil.Process, "cpu_num")  # a platform where psutil does not say
+    assert hostspeed.current_cpu() is None
 
 
-def test_current_cpu_reads_field_39_past_a_command_name_with_parentheses(tmp_path):
-    stat = tmp_path / "stat"
-    stat.write_text(_stat("7"))
-    assert hostspeed.current_cpu(stat) == 7
-    stat.write_text("4242 (bench) S 1 2 3")  # too short: no CPU field
-    assert hostspeed.current_cpu(stat) is None
-    assert hostspeed.current_cpu(tmp_path / "missing") is None
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/thread-self is Linux's")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="psutil reports the CPU on Linux")
 def test_samples_record_the_probe_and_the_cpus_the_thread_ran_on():
     speed = hostspeed.HostSpeed()
     assert speed.summary() is None
