@@ -1,0 +1,92 @@
+"""Diagnostics for bcg's graph memory in ``bcg bench vllm``, loaded into every mode process.
+
+Put this folder first on ``PYTHONPATH`` and set:
+
+* ``EXP_POOL_DUMP=1``: after bcg's capture, write what it cost the device (free memory around it,
+  both sides after ``empty_cache``), how much of that torch's caching allocator holds, and the
+  pool's segments. The part the allocator does not hold is the driver's memory for the captured
+  graphs themselves.
+* ``EXP_SHARED_POOL=1``: bcg captures into vLLM's global graph pool instead of its own, to measure
+  what sharing it would save. Not a supported setting: NOTES.md (section 1) explains why bcg keeps
+  its own pool.
+* ``EXP_LOG=path``: append the lines to ``path`` as well (the bench keeps a mode's stderr only when
+  it fails).
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+
+def _say(msg):
+    path = os.environ.get("EXP_LOG")
+    if path:
+        with open(path, "a") as f:
+            print(msg, file=f)
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _patch_runner():
+    import bcg_plugin.pool as pool
+    import bcg_plugin.runner as runner
+
+    if os.environ.get("EXP_SHARED_POOL"):
+        init = pool.GraphPool.__init__
+
+        def shared_init(self):
+            init(self)
+            from vllm.platforms import current_platform
+
+            self.handle = current_platform.get_global_graph_pool()
+            _say("EXP_SHARED_POOL: bcg captures into vLLM's global pool")
+
+        pool.GraphPool.__init__ = shared_init
+    if os.environ.get("EXP_POOL_DUMP"):
+        capture = runner.PrefillGraphRunner.capture
+
+        def dumping_capture(self, *args, **kwargs):
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+            capture(self, *args, **kwargs)
+            torch.cuda.synchronize()
+            res1 = torch.cuda.memory_reserved()
+            torch.cuda.empty_cache()
+            free1, res2 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+            segs = self._pool.segments() if self._pool else []
+            total = sum(s["total_size"] for s in segs)
+            allocated = sum(s["allocated_size"] for s in segs)
+            sizes = sorted((s["total_size"] >> 20 for s in segs), reverse=True)
+            _say(f"EXP_POOL_DUMP: free-memory delta after empty_cache {(free0 - free1) / 2**30:.3f} GiB; "
+                 f"allocator reserved +{(res1 - res0) / 2**30:.3f} GiB, after empty_cache +{(res2 - res0) / 2**30:.3f} GiB; "
+                 f"pool {len(segs)} segments reserved {total / 2**30:.3f} GiB allocated {allocated / 2**30:.3f} GiB; "
+                 f"segment MiB {sizes[:40]}; "
+                 f"output {None if self._output is None else tuple(self._output.shape)}; "
+                 f"static {[(n, tuple(b.shape), b.dtype) for n, b in self._static.items()]}")
+
+        runner.PrefillGraphRunner.capture = dumping_capture
+
+
+class _RunnerFinder(importlib.abc.MetaPathFinder):
+    """Patches ``bcg_plugin.runner`` right after it is first imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "bcg_plugin.runner":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _patch_runner()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("EXP_SHARED_POOL") or os.environ.get("EXP_POOL_DUMP"):
+    sys.meta_path.insert(0, _RunnerFinder())
