@@ -31,7 +31,11 @@ class PrometheusExporter:
                                           names, **kw)
         self.capture_seconds = prom.Gauge(f"{prefix}bcg_capture_seconds", "Seconds spent capturing bcg graphs",
                                           names, **kw)
-        self.graph_bytes = prom.Gauge(f"{prefix}bcg_graph_memory_bytes", "Device memory of bcg graphs", names, **kw)
+        self.graph_bytes = prom.Gauge(f"{prefix}bcg_graph_memory_bytes",
+                                      "Device memory bcg's capture took (pool, buffers, the graphs themselves)",
+                                      names, **kw)
+        self.pool_bytes = prom.Gauge(f"{prefix}bcg_graph_pool_bytes", "The part of bcg's graph memory in its pool",
+                                     names, **kw)
         self.buckets = prom.Gauge(f"{prefix}bcg_buckets_captured", "bcg buckets captured", names, **kw)
         self._seen = RuntimeStats()
         for reason in Fallback:  # every reason visible at 0 from the start
@@ -53,6 +57,7 @@ class PrometheusExporter:
         self._plain(self.padded_tokens).inc(stats.padded_tokens - self._seen.padded_tokens)
         self._plain(self.capture_seconds).set(stats.capture_seconds)
         self._plain(self.graph_bytes).set(stats.graph_bytes)
+        self._plain(self.pool_bytes).set(stats.pool_bytes)
         self._plain(self.buckets).set(stats.buckets_captured)
         self._seen = RuntimeStats(
             replays_by_bucket=stats.replays_by_bucket.copy(), fallbacks=stats.fallbacks.copy(),

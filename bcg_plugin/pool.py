@@ -5,6 +5,14 @@ from __future__ import annotations
 import torch
 
 
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` once its queued work is done and the allocator's idle cache is
+    returned: what is left is what live tensors, pools and the driver hold."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
 class GraphPool:
     """A CUDA-graph memory pool shared by all buckets of one runner.
 
@@ -24,7 +32,8 @@ class GraphPool:
         return torch.cuda.memory_snapshot(self.handle, include_traces=False)
 
     def reserved_bytes(self) -> int:
-        """Device memory the pool holds: the graphs' cost, as the allocator sees it."""
+        """Device memory the pool holds: the graphs' intermediates, as the allocator sees them. The
+        driver's memory for the captured graphs themselves is not in it."""
         return sum(s["total_size"] for s in self.segments())
 
     def contains(self, t: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgStateError
 from bcg_plugin.hookspecs import HostBatch, StaticInput
 from bcg_plugin.ladder import choose_bucket, resolve_buckets
-from bcg_plugin.pool import GraphPool
+from bcg_plugin.pool import GraphPool, free_device_bytes
 from bcg_plugin.stats import Fallback, RuntimeStats
 
 logger = logging.getLogger("bcg_plugin")
@@ -99,6 +99,7 @@ class PrefillGraphRunner:
         if self._graphs:
             raise BcgStateError("capture() was already called on this runner; build a new runner to recapture")
         status, error = CaptureStatus.OK, None
+        free_before = self._free_device_bytes()
         start = time.perf_counter()
         try:
             self._capture_all(progress)
@@ -115,13 +116,14 @@ class PrefillGraphRunner:
         if world is CaptureStatus.OK:
             self.stats.capture_seconds = time.perf_counter() - start
             self.stats.buckets_captured = len(self._graphs)
-            self.stats.graph_bytes = self._pool.reserved_bytes()
+            self.stats.pool_bytes = self._pool.reserved_bytes()
+            # The pool is only part of it: the driver holds memory for every captured segment.
+            self.stats.graph_bytes = max(free_before - self._free_device_bytes(), 0)
             logger.info(
                 "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s (warm-up forwards %.2f s), "
-                "graph memory %.3f GiB",
+                "graph memory %.3f GiB (pool %.3f GiB)",
                 len(self._graphs), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
-                self.stats.warmup_seconds,
-                self.stats.graph_bytes / 2**30,
+                self.stats.warmup_seconds, self.stats.graph_bytes / 2**30, self.stats.pool_bytes / 2**30,
             )
             return
         self.close()
@@ -139,6 +141,9 @@ class PrefillGraphRunner:
         if error is not None:
             traceback.clear_frames(error.__traceback__)
         logger.warning("bcg: prefill graph capture failed on at least one rank; every rank runs prefill eagerly")
+
+    def _free_device_bytes(self) -> int:
+        return free_device_bytes(self.device) if self.device.type == "cuda" else 0
 
     def _capture_all(self, progress: bool) -> None:
         """Set up, agree on the setup with every rank, then capture bucket by bucket.
@@ -305,7 +310,8 @@ class PrefillGraphRunner:
     # -- teardown ------------------------------------------------------------------------------
 
     @property
-    def graph_bytes(self) -> int:
+    def pool_bytes(self) -> int:
+        """What the graphs' pool holds now (the capture's whole device cost is ``stats.graph_bytes``)."""
         return self._pool.reserved_bytes() if self._pool is not None else 0
 
     def close(self) -> None:

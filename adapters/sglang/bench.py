@@ -117,6 +117,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         "host_speed": speed.summary(),
         "prefill_runner": capture.get("runner"),
         "bcg_pool_gib": capture.get("bcg_pool_gib"),
+        "bcg_graph_gib": capture.get("bcg_graph_gib"),
         "bcg_capture_s": capture.get("bcg_capture_s"),
         "bcg_warmup_s": capture.get("bcg_warmup_s"),
         "chunked_prefill_size": chunk,

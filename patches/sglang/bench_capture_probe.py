@@ -25,7 +25,8 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "runner": type(runner).__name__,
         "memory_gib": float(getattr(result, "memory_usage_gb", 0.0) or 0.0),
         "seconds": float(getattr(result, "capture_time", 0.0) or 0.0),
-        "bcg_pool_gib": core.graph_bytes / 2**30 if core is not None else None,
+        "bcg_pool_gib": core.stats.pool_bytes / 2**30 if core is not None else None,
+        "bcg_graph_gib": core.stats.graph_bytes / 2**30 if core is not None else None,
         "bcg_capture_s": core.stats.capture_seconds if core is not None else None,
         "bcg_warmup_s": core.stats.warmup_seconds if core is not None else None,
     }

@@ -6,8 +6,9 @@ growth when it finishes. Dummy batches come from the runner's ``_dummy_run`` (se
 
 The original returns the device memory its own capture took, and vLLM's worker logs that figure as
 the graphs' memory and sizes its ``--kv-cache-memory`` advice with it. bcg's buckets are captured
-outside the original's measurement, so their device memory, measured the same way, is added to it.
-(The V2 runner measures around its graph manager's capture, which bcg's capture runs inside.)
+outside the original's measurement, so the device memory bcg's capture took (the core measures it the
+same way, free memory around the capture) is added to it. (The V2 runner measures around its graph
+manager's capture, which bcg's capture runs inside.)
 """
 
 from __future__ import annotations
@@ -17,26 +18,15 @@ import functools
 from bcg_patches.vllm._patch import Patch
 
 
-def free_device_memory() -> int:
-    """Free device memory once queued work is done and the allocator's idle cache is returned."""
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # warm-up activations left cached are not the graphs' memory
-    return torch.cuda.mem_get_info()[0]
-
-
 def make(original):
     @functools.wraps(original)
     def capture_model(self, *args, **kwargs):
-        from bcg_adapters.vllm.plugin import capture_v1, runs_bcg
+        from bcg_adapters.vllm.plugin import capture_v1
 
-        free_before = free_device_memory() if runs_bcg(self.vllm_config) else None
         graphs = capture_v1(self)
         self._bcg_graphs = graphs
         self.cudagraph_dispatcher._bcg_graphs = graphs
-        measured = free_before is not None and graphs is not None
-        bcg_bytes = max(free_before - free_device_memory(), 0) if measured else 0
+        bcg_bytes = graphs.runner.stats.graph_bytes if graphs is not None else 0
         return original(self, *args, **kwargs) + bcg_bytes
 
     return capture_model

@@ -13,7 +13,7 @@ def _value(registry, name, **labels):
 def test_exporter_publishes_growth_of_the_counters():
     registry = prom.CollectorRegistry()
     exp = PrometheusExporter("test:", {"engine": "toy"}, registry=registry)
-    stats = RuntimeStats(capture_seconds=1.5, graph_bytes=1024, buckets_captured=3)
+    stats = RuntimeStats(capture_seconds=1.5, graph_bytes=1024, pool_bytes=512, buckets_captured=3)
     assert _value(registry, "test:bcg_eager_fallbacks_total", engine="toy", reason="over_top_bucket") == 0
     stats.record_replay(64, 50)
     stats.record_replay(64, 60)
@@ -28,6 +28,7 @@ def test_exporter_publishes_growth_of_the_counters():
     assert _value(registry, "test:bcg_padded_tokens_total", engine="toy") == 14 + 4 + 28
     assert _value(registry, "test:bcg_eager_fallbacks_total", engine="toy", reason="over_top_bucket") == 1
     assert _value(registry, "test:bcg_graph_memory_bytes", engine="toy") == 1024
+    assert _value(registry, "test:bcg_graph_pool_bytes", engine="toy") == 512
     assert _value(registry, "test:bcg_capture_seconds", engine="toy") == 1.5
 
 
