@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from bcg_plugin.bench import hostspeed, profile, targets
@@ -243,6 +244,16 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
                   "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
                   "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
                   "wider.", "", *_table(sizes, paired, 3), ""]
+    speeds = [s for *_, s in _processes(result)]
+    fastest = hostspeed.fastest_probe_us(speeds)
+    both_fast = _paired_ratios(good, sizes, min_pairs=1,
+                               keep=lambda a, b: not (hostspeed.is_slow(a.get("host_speed"), fastest)
+                                                      or hostspeed.is_slow(b.get("host_speed"), fastest)))
+    if paired and any(hostspeed.is_slow(s, fastest) for s in speeds):
+        lines += ["## The same, over the rounds in which neither process was flagged slow (host speed below)", "",
+                  "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
+                  "modes. Columns name how many rounds were kept.", ""]
+        lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
     lines += hostspeed.markdown(_processes(result))
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
@@ -285,18 +296,22 @@ def _bcg_ratios(good: dict, key: str, sizes: list[str]) -> dict[str, dict]:
     return ratios
 
 
-def _paired_ratios(good: dict, sizes: list[str]) -> dict[str, dict]:
+def _paired_ratios(good: dict, sizes: list[str], *, min_pairs: int = 2,
+                   keep: Callable[[dict, dict], bool] | None = None) -> dict[str, dict]:
     """Per other mode, the median over rounds of bcg's e2e over that mode's in the same round; only
-    over rounds in which both ran, and only with two such rounds or more."""
+    over rounds in which both ran (and ``keep(bcg_round, other_round)`` holds), and only with
+    ``min_pairs`` such rounds or more. With ``keep`` the column names how many rounds it kept."""
     mine = (good.get("bcg") or {}).get("rounds") or []
     columns = {}
     for mode, data in good.items():
         if mode == "bcg":
             continue
-        pairs = [(a["e2e_ms"], b["e2e_ms"]) for a, b in zip(mine, data.get("rounds") or [])
-                 if "e2e_ms" in a and "e2e_ms" in b]
-        if len(pairs) >= 2:
-            columns[f"bcg / {mode}"] = {
+        rounds = [(a, b) for a, b in zip(mine, data.get("rounds") or []) if "e2e_ms" in a and "e2e_ms" in b]
+        kept = [(a, b) for a, b in rounds if keep is None or keep(a, b)]
+        pairs = [(a["e2e_ms"], b["e2e_ms"]) for a, b in kept]
+        if len(pairs) >= min_pairs:
+            name = f"bcg / {mode}" if keep is None else f"bcg / {mode} ({len(kept)} of {len(rounds)})"
+            columns[name] = {
                 n: statistics.median(a[n] / b[n] for a, b in pairs) if all(n in a and n in b for a, b in pairs)
                 else None for n in sizes}
     return columns

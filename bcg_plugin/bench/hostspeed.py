@@ -58,13 +58,24 @@ class HostSpeed:
                 "max_us": round(max(self.samples), 1), "samples": len(self.samples), "cpus": sorted(self.cpus)}
 
 
+def fastest_probe_us(summaries: list[dict | None]) -> float | None:
+    """The lowest median probe among ``summaries`` (``host_speed`` entries; ``None`` ones skipped)."""
+    return min((s["probe_us"] for s in summaries if s), default=None)
+
+
+def is_slow(summary: dict | None, fastest: float | None) -> bool:
+    """Whether a process's probe median is more than ``SLOW_FACTOR`` above the run's fastest; a
+    process without a probe is not called slow."""
+    return bool(summary and fastest and summary["probe_us"] / fastest > SLOW_FACTOR)
+
+
 def markdown(processes: list[tuple[str, int, dict | None]]) -> list[str]:
     """A table of the run's processes in run order, (mode, round, host_speed summary) each; empty
     when no process recorded a probe."""
     probed = [(m, r, s) for m, r, s in processes if s]
     if not probed:
         return []
-    fastest = min(s["probe_us"] for *_, s in probed)
+    fastest = fastest_probe_us([s for *_, s in probed])
     lines = ["## Host speed of each mode process (a fixed Python workload, timed between the timed requests)", "",
              "The same workload on the thread that issues the requests; lower is faster. Host-bound (small-N) "
              "latencies of a process flagged slow say more about the host than about the mode.", "",
@@ -72,7 +83,7 @@ def markdown(processes: list[tuple[str, int, dict | None]]) -> list[str]:
     slow = []
     for i, (mode, rnd, s) in enumerate(probed, 1):
         factor = s["probe_us"] / fastest
-        if factor > SLOW_FACTOR:
+        if is_slow(s, fastest):
             slow.append(f"{mode} (round {rnd})")
         cpus = ",".join(map(str, s.get("cpus") or [])) or "-"
         lines.append(f"| {i} | {mode} | {rnd} | {s['probe_us']:.0f} ({s['min_us']:.0f}-{s['max_us']:.0f}) "

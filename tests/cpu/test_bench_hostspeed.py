@@ -69,3 +69,38 @@ def test_the_run_report_lists_processes_in_run_order_with_their_round(tmp_path, 
     assert json.loads(path.read_text())["modes"]["bcg"]["rounds"][1]["host_speed"]["probe_us"] == 950.0
     assert harness.summary_line({"e2e_ms": {"16": 5.0}, "host_speed": _speed(900.0)}) == (
         "e2e 16:5.00 (host probe 900 µs)")
+
+
+def _run_with(tmp_path, monkeypatch, e2e, probes, rounds):
+    seen = {m: 0 for m in e2e}
+
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+        k = seen[mode]
+        seen[mode] += 1
+        return {"e2e_ms": {str(n): e2e[mode][k] for n in sizes}, "host_speed": _speed(probes[mode][k])}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path, 10, rounds=rounds)
+    return path.with_name(path.name.replace(".json", ".md")).read_text()
+
+
+FAST_ONLY = "## The same, over the rounds in which neither process was flagged slow"
+
+
+def test_paired_ratios_over_rounds_without_a_slow_process(tmp_path, monkeypatch):
+    # Round 1: bcg's process is slow (probe 1.4x) and so is its latency; rounds 2 and 3 are fair.
+    md = _run_with(tmp_path, monkeypatch, {"bcg": [7.0, 4.8, 5.0], "native": [5.0, 5.0, 5.0]},
+                   {"bcg": [1400.0, 1000.0, 1020.0], "native": [1000.0, 1010.0, 990.0]}, rounds=3)
+    everything, fast_only = md.split(FAST_ONLY)
+    assert "| 16 | 1.000 |" in everything.split("paired by round")[1]  # median of 1.4, 0.96, 1.0
+    assert "| N | bcg / native (2 of 3) |" in fast_only and "| 16 | 0.980 |" in fast_only  # median of 0.96, 1.0
+
+
+def test_no_fast_only_table_when_no_process_was_slow_and_a_line_when_every_round_had_one(tmp_path, monkeypatch):
+    even = _run_with(tmp_path / "even", monkeypatch, {"bcg": [4.8, 5.0], "native": [5.0, 5.0]},
+                     {"bcg": [1000.0, 1020.0], "native": [1000.0, 1010.0]}, rounds=2)
+    assert "paired by round" in even and FAST_ONLY not in even
+    every = _run_with(tmp_path / "every", monkeypatch, {"bcg": [7.0, 5.0], "native": [5.0, 7.0]},
+                      {"bcg": [1400.0, 1000.0], "native": [1000.0, 1400.0]}, rounds=2)
+    assert "No round is free of a slow process." in every.split(FAST_ONLY)[1].split("## Host speed")[0]
