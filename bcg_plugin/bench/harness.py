@@ -244,17 +244,17 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
                   "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
                   "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
                   "wider.", "", *_table(sizes, paired, 3), ""]
-    speeds = [s for *_, s in _processes(result)]
-    fastest = hostspeed.fastest_probe_us(speeds)
-    both_fast = _paired_ratios(good, sizes, min_pairs=1,
-                               keep=lambda a, b: not (hostspeed.is_slow(a.get("host_speed"), fastest)
-                                                      or hostspeed.is_slow(b.get("host_speed"), fastest)))
-    if paired and any(hostspeed.is_slow(s, fastest) for s in speeds):
+    run_order = _processes(result)
+    fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
+    if paired and any(hostspeed.is_slow(s, fastest) for *_, s in run_order):
+        both_fast = _paired_ratios(good, sizes, min_pairs=1,
+                                   keep=lambda a, b: not (hostspeed.is_slow(a.get("host_speed"), fastest)
+                                                          or hostspeed.is_slow(b.get("host_speed"), fastest)))
         lines += ["## The same, over the rounds in which neither process was flagged slow (host speed below)", "",
                   "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
                   "modes. Columns name how many rounds were kept.", ""]
         lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
-    lines += hostspeed.markdown(_processes(result))
+    lines += hostspeed.markdown(run_order)
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
