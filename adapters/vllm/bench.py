@@ -10,7 +10,11 @@ contract of :mod:`bcg_plugin.bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms
 ``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
 forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one, and
 ``graph_mem_allocator_gib``, the part of ``graph_mem_gib`` torch's caching allocator holds (graph
-pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries. With
+pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries; and
+``device_used_gib`` and ``kv_cache_gib``, the device memory in use once every N has been served and the
+KV cache's part of it. What is left beyond the KV cache (weights, graphs, and the activation blocks
+torch's allocator keeps cached after the largest eager forward) is what each mode costs a server at
+the same workload, wherever its engine accounts for it. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: one extra N-token forward under
 ``torch.profiler`` (:mod:`bcg_plugin.bench.profile`).
 
@@ -69,6 +73,7 @@ class Timers:
         from bcg_plugin.bench.profile import ForwardProfiler
 
         self.capture_s = 0.0
+        self.kv_cache_bytes = 0
         self.graph_bytes = 0
         self.allocator_bytes = 0
         self.forwards: list = []
@@ -78,7 +83,9 @@ class Timers:
     def install(self) -> None:
         import vllm.v1.worker.gpu.model_runner as v2
         import vllm.v1.worker.gpu_model_runner as v1
+        from vllm.v1.worker.gpu_worker import Worker
 
+        Worker.initialize_from_config = self._timed_kv_cache(Worker.initialize_from_config)
         for module in (v2, v1):
             runner = module.GPUModelRunner
             runner.capture_model = self._timed_capture(runner.capture_model)
@@ -99,6 +106,19 @@ class Timers:
             return result
 
         return capture_model
+
+    def _timed_kv_cache(self, original):
+        import torch
+
+        def initialize_from_config(worker, *args, **kwargs):
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info()[0]
+            result = original(worker, *args, **kwargs)
+            torch.cuda.synchronize()
+            self.kv_cache_bytes += free_before - torch.cuda.mem_get_info()[0]
+            return result
+
+        return initialize_from_config
 
     def _timed_context(self, original):
         import torch
@@ -219,6 +239,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
             hosts[n].append(f[1])
         if ttft is not None:
             ttfts[n].append(ttft)
+    device_used = used_device_bytes() if tp == 1 and dp == 1 else None  # before the profiled request
     if timers.profiler is not None and tp == 1 and dp == 1:  # one extra request, in no median
         timers.profile_armed = True
         generate(timers.profiler.tokens)
@@ -233,6 +254,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,
+                      device_used_gib=device_used / 2**30, kv_cache_gib=timers.kv_cache_bytes / 2**30,
                       host_profile=timers.profiler.summary if timers.profiler else None)
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
@@ -250,6 +272,15 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective
         barrier.wait()
     return result
+
+
+def used_device_bytes() -> int:
+    """Device memory in use on this process's GPU (the engine's, at tp=1: one mode runs at a time)."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def first_token_ms(outputs: Any) -> float | None:

@@ -265,11 +265,34 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
         if split:
             cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += [""] + [f"![{name}]({name})" for name in images]
+    lines += [""] + _footprint(good)
+    lines += [f"![{name}]({name})" for name in images]
     failed = {m: d for m, d in modes.items() if "error" in d}
     if failed:
         lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]
     return "\n".join(lines) + "\n"
+
+
+def _footprint(good: dict) -> list[str]:
+    """The device memory each mode holds beyond its KV cache once every N was served, and bcg's
+    over each mode's; empty unless some mode measured it."""
+    measured = {m: d for m, d in good.items() if d.get("device_used_gib") is not None
+                and d.get("kv_cache_gib") is not None}
+    if not measured:
+        return []
+    beyond = {m: d["device_used_gib"] - d["kv_cache_gib"] for m, d in measured.items()}
+    lines = ["## Device memory once every N was served", "",
+             "In use on the GPU after the last measured request, and what is left beyond the KV cache: weights, "
+             "graphs, and the activation blocks torch's allocator keeps cached after the largest eager forward. "
+             "Engines count these under different names (a graph pool, or the profiled activation peak); here "
+             "every mode is measured alike, after the same requests.", "",
+             "| mode | in use GiB | KV cache GiB | beyond the KV cache GiB | bcg / mode (beyond the KV cache) |",
+             "|---|---|---|---|---|"]
+    for m, d in measured.items():
+        ratio = _ratio(beyond.get("bcg"), beyond[m]) if m != "bcg" else None
+        lines.append(f"| {m} | {_fmt(d['device_used_gib'], 3)} | {_fmt(d['kv_cache_gib'], 3)} | "
+                     f"{_fmt(beyond[m], 3)} | {_fmt(ratio, 3)} |")
+    return lines + [""]
 
 
 def _processes(result: dict) -> list[tuple[str, int, dict | None]]:

@@ -246,3 +246,20 @@ def test_targets_are_not_checked_for_another_model_or_several_gpus():
         table = "\n".join(targets.markdown("vllm", modes, model, parallel))
         assert "| yes |" not in table and "| target |" not in table
         assert f"this run ({shape}) is not checked against them" in table
+
+
+def test_report_shows_memory_beyond_the_kv_cache_only_when_measured():
+    result = {
+        "engine": "vllm", "engine_version": "0.26.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
+        "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.11.0"}, "sizes": [16],
+        "modes": {
+            "native": {"e2e_ms": {"16": 5.0}, "device_used_gib": 70.0, "kv_cache_gib": 66.0},
+            "bcg": {"e2e_ms": {"16": 5.0}, "device_used_gib": 69.5, "kv_cache_gib": 66.5},
+        },
+    }
+    table = harness.to_markdown(result).split("## Device memory once every N was served", 1)[1]
+    assert "| native | 70.000 | 66.000 | 4.000 | 0.750 |" in table  # bcg: 69.5 - 66.5 = 3 of native's 4
+    assert "| bcg | 69.500 | 66.500 | 3.000 | - |" in table
+    for d in result["modes"].values():
+        del d["kv_cache_gib"]
+    assert "Device memory once every N" not in harness.to_markdown(result)

@@ -694,3 +694,31 @@ def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
     assert bench_bcg_config({}) == {"enable": True}
     assert bench_bcg_config({"BCG_WARMUP": "first_bucket", "BCG_MAX_TOKENS": "1024"}) == {
         "enable": True, "warmup": "first_bucket", "max_tokens": 1024}
+
+
+def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
+    """The bench's KV-cache figure is the device memory vLLM's worker takes while allocating it."""
+    import torch
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from bcg_adapters.vllm import bench
+
+    free = [80 * 2**30]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free[0], 140 * 2**30))
+
+    def allocate(worker, kv_cache_config):
+        free[0] -= kv_cache_config
+
+    monkeypatch.setattr(Worker, "initialize_from_config", allocate)
+    import vllm.v1.worker.gpu.model_runner as v2
+    import vllm.v1.worker.gpu_model_runner as v1
+
+    for module in (v1, v2):  # install() wraps these too; restored after the test
+        monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
+        monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
+    timers = bench.Timers()
+    timers.install()
+    Worker.initialize_from_config(object(), 3 * 2**30)
+    assert timers.kv_cache_bytes == 3 * 2**30
+    assert bench.used_device_bytes() == (140 - 77) * 2**30
