@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 from bcg_adapters.vllm.config import prefill_graphs_wanted
-from bcg_adapters.vllm.log import logger
+from bcg_adapters.vllm.log import logger, route_core_logs
 from bcg_plugin.doctor import installed_version
 
 
@@ -98,6 +98,8 @@ def apply_runner_patches() -> bool:
     with STATE.lock:
         if STATE.runner_patches is None:
             from bcg_patches.vllm import RUNNER, PatchTargetError
+
+            route_core_logs()  # this worker runs the core: its capture summary belongs in vLLM's log
 
             try:
                 RUNNER.apply()

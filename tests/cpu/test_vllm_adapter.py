@@ -722,3 +722,37 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
     Worker.initialize_from_config(object(), 3 * 2**30)
     assert timers.kv_cache_bytes == 3 * 2**30
     assert bench.used_device_bytes() == (140 - 77) * 2**30
+
+
+def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied(monkeypatch):
+    """vLLM's logging config covers only ``vllm.*``: the core's capture summary is routed there."""
+    import logging
+
+    from bcg_adapters.vllm import log, plugin
+
+    core = logging.getLogger("bcg_plugin")
+    monkeypatch.setattr(core, "handlers", [h for h in core.handlers if not isinstance(h, log._ToVllm)])
+    monkeypatch.setattr(core, "level", core.level)
+    monkeypatch.setattr(core, "propagate", True)  # as before any test in this process routed it
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    vllm_logger = logging.getLogger("vllm")
+    keep = Keep()
+    vllm_logger.addHandler(keep)
+    try:
+        logging.getLogger("bcg_plugin").info("bcg: captured before")
+        assert seen == []  # negative control: not routed yet
+        monkeypatch.setattr(plugin.STATE, "runner_patches", None)
+        monkeypatch.setattr("bcg_patches.vllm.RUNNER.apply", lambda: None)
+        plugin.apply_runner_patches()
+        logging.getLogger("bcg_plugin").info("bcg: captured %d buckets", 56)
+        assert seen == ["bcg: captured 56 buckets"]
+        log.route_core_logs()
+        logging.getLogger("bcg_plugin").info("bcg: again")
+        assert seen[1:] == ["bcg: again"]  # once, however often it is routed
+    finally:
+        vllm_logger.removeHandler(keep)
