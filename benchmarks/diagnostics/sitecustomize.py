@@ -9,6 +9,10 @@ Put this folder first on ``PYTHONPATH`` and set:
 * ``EXP_SHARED_POOL=1``: bcg captures into vLLM's global graph pool instead of its own, to measure
   what sharing it would save. Not a supported setting: NOTES.md (section 1) explains why bcg keeps
   its own pool.
+* ``EXP_POOL_RESERVE=1``: bcg's pool is a ``torch.cuda.MemPool`` and, after the first (largest)
+  bucket's warm-up, one segment of that warm-up's peak activation size is reserved in it on the
+  capture stream, so the captures split one block instead of adding a segment per tensor shape:
+  measures what fragmentation costs. Not a supported setting.
 * ``EXP_LOG=path``: append the lines to ``path`` as well (the bench keeps a mode's stderr only when
   it fails).
 """
@@ -42,6 +46,34 @@ def _patch_runner():
             _say("EXP_SHARED_POOL: bcg captures into vLLM's global pool")
 
         pool.GraphPool.__init__ = shared_init
+    if os.environ.get("EXP_POOL_RESERVE"):
+        import torch
+
+        init, warm_up = pool.GraphPool.__init__, runner.PrefillGraphRunner._warm_up
+
+        def mempool_init(self):
+            init(self)
+            self.mempool = torch.cuda.MemPool()
+            self.handle = self.mempool.id
+
+        def reserving_warm_up(self, forward, views, batch, stream):
+            first = self._output is None
+            if first:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            warm_up(self, forward, views, batch, stream)
+            if first:
+                peak = torch.cuda.max_memory_allocated() - base
+                size = -(-peak // (2 << 20)) * (2 << 20)
+                with torch.cuda.stream(stream), torch.cuda.use_mem_pool(self._pool.mempool):
+                    block = torch.empty(size, dtype=torch.uint8, device=self.device)
+                del block
+                _say(f"EXP_POOL_RESERVE: warm-up peak {peak / 2**20:.1f} MiB; reserved one {size >> 20} MiB segment "
+                     f"(pool segments MiB {[s['total_size'] >> 20 for s in self._pool.segments()]})")
+
+        pool.GraphPool.__init__ = mempool_init
+        runner.PrefillGraphRunner._warm_up = reserving_warm_up
     if os.environ.get("EXP_POOL_DUMP"):
         capture = runner.PrefillGraphRunner.capture
 
@@ -88,5 +120,5 @@ class _RunnerFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("EXP_SHARED_POOL") or os.environ.get("EXP_POOL_DUMP"):
+if any(os.environ.get(k) for k in ("EXP_SHARED_POOL", "EXP_POOL_DUMP", "EXP_POOL_RESERVE")):
     sys.meta_path.insert(0, _RunnerFinder())
