@@ -21,6 +21,11 @@ from typing import Any
 from bcg_adapters.vllm.config import bcg_config, compile_problem, raw_bcg_config, unsupported_reason
 from bcg_adapters.vllm.log import logger
 
+# Said where bcg turns the user's torch.compile off: the compiler's fused kernels are what a
+# GPU-bound prefill loses (Qwen3's per-head q/k norm and rotary run as separate eager kernels).
+COMPILE_HINT = ('"torch_compile": true keeps vLLM\'s compiled kernels, faster where prefill is GPU-bound, '
+                "at the compile's start-up cost")
+
 _logged: set[str] = set()
 
 
@@ -53,7 +58,7 @@ def configure_engine(vllm_config: Any) -> None:
             _log_once("warning", "bcg: prefill graphs stay off for this engine: %s", problem)
             return
     elif cc.mode != CompilationMode.NONE:
-        changed.append(f"compilation mode {getattr(cc.mode, 'name', 'default')} -> NONE")
+        changed.append(f"compilation mode {getattr(cc.mode, 'name', 'default')} -> NONE ({COMPILE_HINT})")
         cc.mode = CompilationMode.NONE
     if cc.cudagraph_mode not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
         changed.append(f"cudagraph_mode {getattr(cc.cudagraph_mode, 'name', 'default')} -> FULL_DECODE_ONLY")

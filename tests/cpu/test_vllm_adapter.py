@@ -156,13 +156,22 @@ def test_vllm_warmup_default_sits_under_the_users_keys(raw, warmup):
     assert "warmup" not in raw or raw["warmup"] == warmup
 
 
-def test_enabling_turns_torch_compile_off(model_config):
+def test_enabling_turns_torch_compile_off_and_says_how_to_keep_it(model_config, caplog):
     from vllm.config.compilation import CompilationMode
 
     plugin.register()
-    cfg = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    launch._logged.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = make_config(model_config, additional_config={"bcg": {"enable": True}})
     assert cfg.compilation_config.mode == CompilationMode.NONE
     assert make_config(model_config).compilation_config.mode != CompilationMode.NONE
+    [line] = [r.getMessage() for r in bcg_records(caplog) if "prefill graphs enabled" in r.getMessage()]
+    assert "-> NONE" in line and launch.COMPILE_HINT in line
+    launch._logged.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": True}})
+    assert not any(launch.COMPILE_HINT in r.getMessage() for r in bcg_records(caplog))  # nothing to keep
 
 
 @pytest.mark.parametrize("user_mode, expected", [
