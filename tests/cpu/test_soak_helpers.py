@@ -221,6 +221,8 @@ def test_summary_path(tmp_path):
     assert soak.summary_path("out/", "vllm", "qwen3-0.6b", {"tp": 1, "dp": 1}, "S", "/x") == \
         Path("out") / "soak-vllm-qwen3-0.6b-S.json"
     assert soak.summary_path(str(tmp_path / "f.json"), "vllm", "m", layout, "S", "/x") == tmp_path / "f.json"
+    assert soak.summary_path("out/", "vllm", "m", {"tp": 1}, "S", "/x", variant="torch-compile") == \
+        Path("out/soak-vllm-torch-compile-m-S.json")
 
 
 # -- selection -------------------------------------------------------------------------------------

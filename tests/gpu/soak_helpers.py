@@ -404,11 +404,12 @@ def dp_share(count: int, rank: int, size: int) -> list[int]:
 
 
 def summary_path(out: str | None, engine: str, model: str, parallel: Mapping[str, int], stamp: str,
-                 tmpdir: str) -> Path:
+                 tmpdir: str, variant: str = "") -> Path:
     """Where the soak's JSON summary goes: ``BCG_SOAK_OUT`` (a file, or a directory to name the file
-    in, like the benchmark results), else a temporary directory."""
+    in, like the benchmark results), else a temporary directory. ``variant`` (``torch-compile``)
+    names a bcg configuration other than the default."""
     layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
-    name = f"soak-{engine}-{model}{layout}-{stamp}.json"
+    name = f"soak-{engine}{'-' + variant if variant else ''}-{model}{layout}-{stamp}.json"
     if not out:
         return Path(tmpdir) / "bcg-soak" / name
     path = Path(out)

@@ -19,7 +19,9 @@ through the wave in vLLM's dummy forwards. The ranks start every wave together a
 when the traffic ends (``DpSteps``); the probes run on rank 0 while the others idle.
 ``BCG_SOAK_OUT`` names the JSON summary (a file, or a directory to name it in, e.g.
 ``benchmarks/results/``; default a temporary directory). ``BCG_SOAK_WAVE_DEADLINE_S`` (120) and
-``BCG_SOAK_MEMORY_BOUND_MIB`` (256) change the two limits below.
+``BCG_SOAK_MEMORY_BOUND_MIB`` (256) change the two limits below. ``BCG_SOAK_TORCH_COMPILE=1`` (vLLM)
+soaks bcg with ``torch_compile`` and holds its probes to vLLM's own compiled engine instead of eager,
+as ``test_vllm_gpu`` does: compilation alone moves outputs.
 
 Each engine runs in its own process (this file re-invoked as a script, in its own process group so
 the test can end it and its workers): first an eager reference (vLLM ``enforce_eager``, SGLang
@@ -93,6 +95,7 @@ PROBE_TOKENS = 4
 WAVE_DEADLINE_S = float(os.environ.get("BCG_SOAK_WAVE_DEADLINE_S", "120"))
 MEMORY_BOUND_MIB = float(os.environ.get("BCG_SOAK_MEMORY_BOUND_MIB", "256"))
 START_ALLOWANCE_S = 900  # engine start (capture included), two probe rounds, shutdown
+TORCH_COMPILE = os.environ.get("BCG_SOAK_TORCH_COMPILE", "") not in ("", "0")  # vLLM only
 DP_BARRIER_ENV = "BCG_SOAK_DP_BARRIER"  # the directory vLLM's DP rank processes step together through
 SGLANG_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs")
 HERE = Path(__file__).resolve().parent
@@ -179,9 +182,9 @@ def vllm_engine(role: str, progress: Path) -> dict:
         enable_expert_parallel=DP > 1,  # the experts spread over the DP ranks, as in test_vllm_gpu
     )
     if role == "soak":
-        kwargs["additional_config"] = {"bcg": {"enable": True}}
-    else:
-        kwargs["enforce_eager"] = True
+        kwargs["additional_config"] = {"bcg": {"enable": True, **({"torch_compile": True} if TORCH_COMPILE else {})}}
+    else:  # with torch_compile the reference is vLLM's own compiled engine (-O2, its graphs)
+        kwargs["enforce_eager"] = not TORCH_COMPILE
     llm = LLM(**kwargs)
     llm.apply_model(dummy_weights.rescale)  # as in test_vllm_gpu: logits spread over a few nats
     prompts = soak.probe_prompts(SEED + 1, PROBES, PROBE_EDGES)
@@ -376,7 +379,7 @@ def check_run(run: dict, problems: list[str]) -> dict:
 
 
 def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters: dict, probes: dict,
-                  problems: list[str]) -> Path:
+                  problems: list[str], variant: str = "") -> Path:
     from bcg_plugin.bench.models import shape_summary
     from bcg_plugin.bench.report import environment, run_stamp
     from bcg_plugin.doctor import installed_version
@@ -390,6 +393,7 @@ def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters
         "commit": _commit(),
         "model": shape_summary(MODEL),
         "parallel": {"tp": TP, "dp": DP},
+        "variant": variant or "default",
         "date": env["date"],
         "gpu": env["gpu"],
         "torch": env["torch"],
@@ -406,11 +410,11 @@ def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters
         "problems": [p.split("\n--- engine log")[0] for p in problems],
     }
     path = soak.summary_path(os.environ.get("BCG_SOAK_OUT"), engine, MODEL, {"tp": TP, "dp": DP},
-                             run_stamp(env["date"]), tempfile.gettempdir())
+                             run_stamp(env["date"]), tempfile.gettempdir(), variant)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2))
     t = summary["traffic"]
-    print(f"[bcg soak] {engine} {MODEL} tp={TP} dp={DP}: {t.get('waves', t.get('waves_completed'))} waves, "
+    print(f"[bcg soak] {engine}{' ' + variant if variant else ''} {MODEL} tp={TP} dp={DP}: {t.get('waves', t.get('waves_completed'))} waves, "
           f"{t.get('requests', '?')} requests, {t.get('prompt_tokens', '?')} prompt tokens in "
           f"{summary['seconds_run'] or 0:.0f} s; memory "
           + ", ".join(f"GPU {g}: {m['span']:.0f} MiB span after warm-up ({m['min']:.0f}..{m['max']:.0f}; overall "
@@ -432,8 +436,8 @@ def _commit() -> str | None:
 
 
 def _finish(engine: str, seconds: float, run: dict, memory: dict, counters: dict, probes: dict,
-            problems: list[str]) -> None:
-    write_summary(engine, seconds, run, memory, counters, probes, problems)
+            problems: list[str], variant: str = "") -> None:
+    write_summary(engine, seconds, run, memory, counters, probes, problems, variant)
     assert not problems, f"{engine} soak: {len(problems)} problem(s):\n" + "\n".join(f"- {p}" for p in problems)
 
 
@@ -451,8 +455,8 @@ def test_vllm_soak(soak_dir):
     seconds = soak.soak_seconds()
     ref = run_engine("vllm", "reference", soak_dir, START_ALLOWANCE_S)
     if "error" in ref:
-        pytest.fail(f"eager reference: {ref['error']}\n{ref['log']}")
-    assert ref["bcg"] == [], "the eager reference ran with bcg"
+        pytest.fail(f"reference: {ref['error']}\n{ref['log']}")
+    assert ref["bcg"] == [], "the reference ran with bcg"
     run = run_engine("vllm", "soak", soak_dir, seconds + START_ALLOWANCE_S + WAVE_DEADLINE_S)
     problems: list[str] = []
     memory = check_run(run, problems)
@@ -491,13 +495,15 @@ def test_vllm_soak(soak_dir):
         counters["lockstep"] = lockstep or "ok"
         if lockstep and len(stats) == world:
             problems.append(f"ranks out of lockstep: {lockstep}")
-    _finish("vllm", seconds, run, memory, counters, probes, problems)
+    _finish("vllm", seconds, run, memory, counters, probes, problems, "torch-compile" if TORCH_COMPILE else "")
 
 
 def test_sglang_soak(soak_dir):
     pytest.importorskip("sglang")
     from bcg_plugin.bench.models import model_dir
 
+    if TORCH_COMPILE:
+        pytest.skip("BCG_SOAK_TORCH_COMPILE soaks vLLM only: bcg's torch_compile key is vLLM's")
     if DP > 1 and TP % DP:
         pytest.skip(f"SGLang's DP attention needs tp_size divisible by dp_size (BCG_TEST_TP={TP}, BCG_TEST_DP={DP})")
     _need_gpus(TP)
