@@ -235,25 +235,10 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     for key, heading in LATENCY_KEYS.items():
         if any(d.get(key) for d in good.values()):
             lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
-    for key, heading in (("e2e_ms", "End-to-end ratios"), ("ttft_ms", "Time-to-first-token ratios")):
-        if "bcg" in good and len(good) > 1 and good["bcg"].get(key):
-            lines += [f"## {heading} (below 1: bcg faster)", "", *_table(sizes, _bcg_ratios(good, key, sizes), 3), ""]
-    paired = _paired_ratios(good, sizes)
-    if paired:
-        lines += ["## End-to-end ratios paired by round (median over rounds of bcg / mode within one round)", "",
-                  "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
-                  "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
-                  "wider.", "", *_table(sizes, paired, 3), ""]
     run_order = _processes(result)
     fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
-    if paired and any(hostspeed.is_slow(s, fastest) for *_, s in run_order):
-        both_fast = _paired_ratios(good, sizes, min_pairs=1,
-                                   keep=lambda a, b: not (hostspeed.is_slow(a.get("host_speed"), fastest)
-                                                          or hostspeed.is_slow(b.get("host_speed"), fastest)))
-        lines += ["## The same, over the rounds in which neither process was flagged slow (host speed below)", "",
-                  "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
-                  "modes. Columns name how many rounds were kept.", ""]
-        lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
+    for mine in ("bcg", "bcg_compile"):
+        lines += _ratio_sections(good, sizes, mine, run_order, fastest)
     lines += hostspeed.markdown(run_order)
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
@@ -309,31 +294,68 @@ def _processes(result: dict) -> list[tuple[str, int, dict | None]]:
     return processes
 
 
-def _bcg_ratios(good: dict, key: str, sizes: list[str]) -> dict[str, dict]:
-    """bcg's ``key`` latency over each other mode's, and over the best of them, per N."""
-    bcg = good["bcg"][key]
-    others = {m: d.get(key) or {} for m, d in good.items() if m != "bcg"}
-    ratios = {f"bcg / {m}": {n: _ratio(bcg.get(n), e.get(n)) for n in sizes} for m, e in others.items()}
-    ratios["bcg / best other"] = {
+def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fastest: float | None) -> list[str]:
+    """The ratio tables of bcg mode ``mine`` against the other modes (``bcg_compile``: against the
+    host's own modes only): per-N minimum, paired by round, and paired over unflagged rounds."""
+    if mine not in good or len(good) < 2:
+        return []
+    only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
+    title = "" if mine == "bcg" else f" of {mine}"
+    lines = []
+    for key, heading in (("e2e_ms", "End-to-end ratios"), ("ttft_ms", "Time-to-first-token ratios")):
+        ratios = _bcg_ratios(good, key, sizes, mine, only) if good[mine].get(key) else {}
+        if ratios:
+            lines += [f"## {heading}{title} (below 1: {mine} faster)", "", *_table(sizes, ratios, 3), ""]
+    paired = _paired_ratios(good, sizes, mine=mine, only=only)
+    if paired:
+        lines += [f"## End-to-end ratios{title} paired by round (median over rounds of {mine} / mode within one "
+                  "round)", "",
+                  "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
+                  "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
+                  "wider.", "", *_table(sizes, paired, 3), ""]
+    if paired and any(hostspeed.is_slow(s, fastest) for *_, s in run_order):
+        both_fast = _paired_ratios(good, sizes, min_pairs=1, mine=mine, only=only,
+                                   keep=lambda a, b: not (hostspeed.is_slow(a.get("host_speed"), fastest)
+                                                          or hostspeed.is_slow(b.get("host_speed"), fastest)))
+        lines += [f"## The same{title}, over the rounds in which neither process was flagged slow (host speed "
+                  "below)", "",
+                  "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
+                  "modes. Columns name how many rounds were kept.", ""]
+        lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
+    return lines
+
+
+def _bcg_ratios(good: dict, key: str, sizes: list[str], mine: str = "bcg",
+                only: set[str] | None = None) -> dict[str, dict]:
+    """``mine``'s ``key`` latency over each other mode's (those in ``only``, if given), and over the
+    best of them, per N; empty when there is no other mode."""
+    bcg = good[mine][key]
+    others = {m: d.get(key) or {} for m, d in good.items() if m != mine and (only is None or m in only)}
+    if not others:
+        return {}
+    ratios = {f"{mine} / {m}": {n: _ratio(bcg.get(n), e.get(n)) for n in sizes} for m, e in others.items()}
+    ratios[f"{mine} / best other"] = {
         n: _ratio(bcg.get(n), min((e[n] for e in others.values() if n in e), default=None)) for n in sizes}
     return ratios
 
 
-def _paired_ratios(good: dict, sizes: list[str], *, min_pairs: int = 2,
+def _paired_ratios(good: dict, sizes: list[str], *, min_pairs: int = 2, mine: str = "bcg",
+                   only: set[str] | None = None,
                    keep: Callable[[dict, dict], bool] | None = None) -> dict[str, dict]:
-    """Per other mode, the median over rounds of bcg's e2e over that mode's in the same round; only
-    over rounds in which both ran (and ``keep(bcg_round, other_round)`` holds), and only with
-    ``min_pairs`` such rounds or more. With ``keep`` the column names how many rounds it kept."""
-    mine = (good.get("bcg") or {}).get("rounds") or []
+    """Per other mode (those in ``only``, if given), the median over rounds of ``mine``'s e2e over
+    that mode's in the same round; only over rounds in which both ran (and ``keep(mine_round,
+    other_round)`` holds), and only with ``min_pairs`` such rounds or more. With ``keep`` the column
+    names how many rounds it kept."""
+    my_rounds = (good.get(mine) or {}).get("rounds") or []
     columns = {}
     for mode, data in good.items():
-        if mode == "bcg":
+        if mode == mine or (only is not None and mode not in only):
             continue
-        rounds = [(a, b) for a, b in zip(mine, data.get("rounds") or []) if "e2e_ms" in a and "e2e_ms" in b]
+        rounds = [(a, b) for a, b in zip(my_rounds, data.get("rounds") or []) if "e2e_ms" in a and "e2e_ms" in b]
         kept = [(a, b) for a, b in rounds if keep is None or keep(a, b)]
         pairs = [(a["e2e_ms"], b["e2e_ms"]) for a, b in kept]
         if len(pairs) >= min_pairs:
-            name = f"bcg / {mode}" if keep is None else f"bcg / {mode} ({len(kept)} of {len(rounds)})"
+            name = f"{mine} / {mode}" if keep is None else f"{mine} / {mode} ({len(kept)} of {len(rounds)})"
             columns[name] = {
                 n: statistics.median(a[n] / b[n] for a, b in pairs) if all(n in a and n in b for a, b in pairs)
                 else None for n in sizes}

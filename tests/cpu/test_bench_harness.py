@@ -263,3 +263,17 @@ def test_report_shows_memory_beyond_the_kv_cache_only_when_measured():
     for d in result["modes"].values():
         del d["kv_cache_gib"]
     assert "Device memory once every N" not in harness.to_markdown(result)
+
+
+def test_bcg_compile_gets_its_own_ratios_against_the_hosts_modes_only():
+    rounds = {"native_ladder": [5.0, 4.0], "bcg": [5.0, 5.0], "bcg_compile": [6.0, 4.4]}
+    modes = {m: {"e2e_ms": {"16": min(v)}, "rounds": [{"e2e_ms": {"16": x}} for x in v]} for m, v in rounds.items()}
+    result = {"engine": "vllm", "engine_version": "0.26.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
+              "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.11.0"}, "sizes": [16], "modes": modes}
+    md = harness.to_markdown(result)
+    minimum, paired = md.split("## End-to-end ratios of bcg_compile (below 1: bcg_compile faster)")[1].split(
+        "## End-to-end ratios of bcg_compile paired by round")
+    assert "| N | bcg_compile / native_ladder | bcg_compile / best other |" in minimum  # not against bcg
+    assert "| 16 | 1.100 | 1.100 |" in minimum  # 4.4 / 4.0
+    assert "| 16 | 1.150 |" in paired.split("##")[0]  # median of 6/5 and 4.4/4
+    assert "bcg / bcg_compile" in md.split("## End-to-end ratios of bcg_compile")[0]  # bcg's tables unchanged
