@@ -44,10 +44,13 @@ def _bench(argv: list[str]) -> int:
     ap.add_argument("--profile", type=int, default=None, metavar="N",
                     help="after the timed requests, profile one N-token forward per mode with torch.profiler "
                          "(an N no mode pads, such as 16; vLLM: tp=1 and dp=1 only)")
+    ap.add_argument("--rerun-slow", type=int, default=0, metavar="K",
+                    help="run a mode process again, up to K times, when its host-speed probe is flagged slow "
+                         "against the fastest process so far; the replaced processes stay in the result file")
     a = ap.parse_args(argv)
     modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
     path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout,
-                       a.rounds, tp=a.tp, dp=a.dp, profile_tokens=a.profile)
+                       a.rounds, tp=a.tp, dp=a.dp, profile_tokens=a.profile, rerun_slow=a.rerun_slow)
     print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())  # written by render()
     return 0
 

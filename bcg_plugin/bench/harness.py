@@ -114,7 +114,13 @@ def _merge_rounds(rounds: list[dict]) -> dict:
 
 
 def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float,
-        rounds: int = 1, tp: int = 1, dp: int = 1, profile_tokens: int | None = None) -> Path:
+        rounds: int = 1, tp: int = 1, dp: int = 1, profile_tokens: int | None = None, rerun_slow: int = 0) -> Path:
+    """Run every mode in its own process, ``rounds`` times; write and render the result file.
+
+    With ``rerun_slow`` K a mode process whose host-speed probe is flagged slow against the fastest
+    process so far is run again, up to K times, in its place in the round: the decision reads the
+    probe, never the latencies, and every replaced process is kept under ``replaced``.
+    """
     spec = ENGINES[engine]
     unknown = [m for m in modes if m not in spec["modes"]]
     if unknown:
@@ -123,6 +129,8 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
     if profile_tokens is not None and profile_tokens < 1:
         raise SystemExit(f"--profile takes a token count >= 1 (16, say), got {profile_tokens}")
+    if rerun_slow < 0:
+        raise SystemExit(f"--rerun-slow takes a count >= 0, got {rerun_slow}")
     if profile_tokens and not spec["profiles_workers"] and (tp > 1 or dp > 1):
         raise SystemExit(f"--profile with {engine} needs --tp 1 --dp 1 (got tp={tp} dp={dp}): the profiler runs "
                          "in the engine's own process; profile on one GPU, or use sglang, which profiles every rank")
@@ -145,12 +153,25 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
     # Later rounds reverse the order, so no mode always runs first on a cold machine.
     per_mode: dict[str, list[dict]] = {m: [] for m in modes}
     order = []
+    replaced: list[dict] = []
+    if rerun_slow:
+        result["replaced"] = replaced
     for r in range(rounds):
         for mode in (modes if r % 2 == 0 else modes[::-1]):
             order.append(mode)
-            print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}) ...", flush=True)
-            per_mode[mode].append(run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens))
-            print(f"[bcg bench] {engine} {mode}: {summary_line(per_mode[mode][-1])}", flush=True)
+            for attempt in range(rerun_slow + 1):
+                print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}"
+                      + (f", rerun {attempt}" if attempt else "") + ") ...", flush=True)
+                data = run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens)
+                print(f"[bcg bench] {engine} {mode}: {summary_line(data)}", flush=True)
+                seen = [d.get("host_speed") for runs in per_mode.values() for d in runs] + [
+                    d.get("host_speed") for d in replaced] + [data.get("host_speed")]
+                if attempt == rerun_slow or not hostspeed.is_slow(data.get("host_speed"),
+                                                                   hostspeed.fastest_probe_us(seen)):
+                    break
+                replaced.append({"mode": mode, "round": r + 1, **data})
+                print(f"[bcg bench] {engine} {mode}: host probe flagged slow; running it again", flush=True)
+            per_mode[mode].append(data)
             # Written after every mode: a run stopped from outside keeps the processes it finished.
             _write(path, result, per_mode, order, planned=rounds * len(modes))
     render(path)
@@ -240,6 +261,11 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     for mine in ("bcg", "bcg_compile"):
         lines += _ratio_sections(good, sizes, mine, run_order, fastest)
     lines += hostspeed.markdown(run_order)
+    if result.get("replaced"):
+        lines += ["Run again because the probe flagged them slow when they ended (kept in the result file under "
+                  "`replaced`, out of every table above): " + ", ".join(
+                      f"{d['mode']} (round {d['round']}, probe {d['host_speed']['probe_us']:.0f} µs)"
+                      for d in result["replaced"]) + ".", ""]
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())

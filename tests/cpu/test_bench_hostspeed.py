@@ -104,3 +104,31 @@ def test_no_fast_only_table_when_no_process_was_slow_and_a_line_when_every_round
     every = _run_with(tmp_path / "every", monkeypatch, {"bcg": [7.0, 5.0], "native": [5.0, 7.0]},
                       {"bcg": [1400.0, 1000.0], "native": [1000.0, 1400.0]}, rounds=2)
     assert "No round is free of a slow process." in every.split(FAST_ONLY)[1].split("## Host speed")[0]
+
+
+def test_rerun_slow_runs_a_flagged_process_again_in_its_place_and_keeps_the_replaced_one(tmp_path, monkeypatch):
+    # Run order: native r1, bcg r1 (slow, rerun: slow again, rerun: fast), bcg r2, native r2 (slow, no reruns left).
+    runs = iter([(5.0, 1000.0), (7.0, 1500.0), (6.5, 1400.0), (4.8, 1010.0), (4.9, 1000.0), (6.0, 1300.0),
+                 (5.9, 1290.0), (5.8, 1280.0)])
+    calls = []
+
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+        e2e, probe = next(runs)
+        calls.append(mode)
+        return {"e2e_ms": {str(n): e2e for n in sizes}, "host_speed": _speed(probe)}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path, 10, rounds=2, rerun_slow=2)
+    result = json.loads(path.read_text())
+    assert calls == ["native", "bcg", "bcg", "bcg", "bcg", "native", "native", "native"]
+    assert [r["e2e_ms"]["16"] for r in result["modes"]["bcg"]["rounds"]] == [4.8, 4.9]  # the reruns' places
+    assert [r["e2e_ms"]["16"] for r in result["modes"]["native"]["rounds"]] == [5.0, 5.8]  # last try kept
+    assert [(d["mode"], d["round"], d["host_speed"]["probe_us"]) for d in result["replaced"]] == [
+        ("bcg", 1, 1500.0), ("bcg", 1, 1400.0), ("native", 2, 1300.0), ("native", 2, 1290.0)]
+    md = path.with_name(path.name.replace(".json", ".md")).read_text()
+    assert "Run again because the probe flagged them slow" in md and "bcg (round 1, probe 1500 µs)" in md
+    runs = iter([(5.0, 1000.0), (7.0, 1500.0)])
+    calls.clear()
+    plain = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path / "plain", 10)
+    assert "replaced" not in json.loads(plain.read_text()) and calls == ["native", "bcg"]  # default: no reruns
