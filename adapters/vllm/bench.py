@@ -108,14 +108,10 @@ class Timers:
         return capture_model
 
     def _timed_kv_cache(self, original):
-        import torch
-
         def initialize_from_config(worker, *args, **kwargs):
-            torch.cuda.synchronize()
-            free_before = torch.cuda.mem_get_info()[0]
+            used_before = used_device_bytes()
             result = original(worker, *args, **kwargs)
-            torch.cuda.synchronize()
-            self.kv_cache_bytes += free_before - torch.cuda.mem_get_info()[0]
+            self.kv_cache_bytes += used_device_bytes() - used_before
             return result
 
         return initialize_from_config

@@ -379,12 +379,13 @@ def check_run(run: dict, problems: list[str]) -> dict:
 
 
 def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters: dict, probes: dict,
-                  problems: list[str], variant: str = "") -> Path:
+                  problems: list[str]) -> Path:
     from bcg_plugin.bench.models import shape_summary
     from bcg_plugin.bench.report import environment, run_stamp
     from bcg_plugin.doctor import installed_version
 
     env = environment()
+    variant = "torch-compile" if TORCH_COMPILE and engine == "vllm" else ""
     summary = {
         "test": "soak",
         "engine": engine,
@@ -436,8 +437,8 @@ def _commit() -> str | None:
 
 
 def _finish(engine: str, seconds: float, run: dict, memory: dict, counters: dict, probes: dict,
-            problems: list[str], variant: str = "") -> None:
-    write_summary(engine, seconds, run, memory, counters, probes, problems, variant)
+            problems: list[str]) -> None:
+    write_summary(engine, seconds, run, memory, counters, probes, problems)
     assert not problems, f"{engine} soak: {len(problems)} problem(s):\n" + "\n".join(f"- {p}" for p in problems)
 
 
@@ -495,7 +496,7 @@ def test_vllm_soak(soak_dir):
         counters["lockstep"] = lockstep or "ok"
         if lockstep and len(stats) == world:
             problems.append(f"ranks out of lockstep: {lockstep}")
-    _finish("vllm", seconds, run, memory, counters, probes, problems, "torch-compile" if TORCH_COMPILE else "")
+    _finish("vllm", seconds, run, memory, counters, probes, problems)
 
 
 def test_sglang_soak(soak_dir):
