@@ -102,7 +102,7 @@ class PrefillGraphRunner:
         free_before = self._free_device_bytes()
         start = time.perf_counter()
         try:
-            self._capture_all(progress)
+            self._capture_all(self.buckets, progress)
         except _PeerCaptureFailure as e:
             status = e.status
         except torch.OutOfMemoryError as e:
@@ -142,11 +142,46 @@ class PrefillGraphRunner:
             traceback.clear_frames(error.__traceback__)
         logger.warning("bcg: prefill graph capture failed on at least one rank; every rank runs prefill eagerly")
 
+    def estimate_graph_bytes(self) -> int:
+        """Device memory :meth:`capture` will take, from capturing the two largest buckets and releasing them.
+
+        For hosts that size their KV cache before any capture. The top bucket's capture takes the
+        pool (the activations every smaller bucket reuses), the static buffers and its own
+        segments; each further bucket adds little more than its own segments, which the second
+        bucket samples. The estimate is the first plus the second times the remaining buckets: the
+        extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and agrees
+        on the outcome as in :meth:`capture`. The runner is left as it was, so :meth:`capture` can
+        follow; if the sample fails on any rank the estimate is 0 (logged): it is advice for the
+        host, and the capture itself decides later.
+        """
+        if not self.config.active or not self.buckets:
+            return 0
+        if self._graphs:
+            raise BcgStateError("estimate_graph_bytes() must come before capture(): it captures and releases buckets")
+        sample = sorted(self.buckets, reverse=True)[:2]
+        free = [self._free_device_bytes()]
+        warmup_seconds = self.stats.warmup_seconds
+        try:
+            self._capture_all(sample, progress=False, after_each=lambda: free.append(self._free_device_bytes()))
+        except Exception as e:  # OOM or a failure on any rank alike: the estimate is advisory
+            traceback.clear_frames(e.__traceback__)  # frames would keep blocks of the pool alive
+            logger.warning("bcg: could not estimate prefill graph memory (%r); the host sizes its memory "
+                           "without bcg's graphs", e)
+            return 0
+        finally:
+            self.close()
+            self.stats.warmup_seconds = warmup_seconds
+        first, more = free[0] - free[1], (free[1] - free[2] if len(free) > 2 else 0)
+        estimate = max(first, 0) + max(more, 0) * (len(self.buckets) - 1)
+        logger.info("bcg: prefill graph memory estimated at %.3f GiB for %d buckets (top bucket %.3f GiB, "
+                    "each further one %.1f MiB)", estimate / 2**30, len(self.buckets), first / 2**30, more / 2**20)
+        return estimate
+
     def _free_device_bytes(self) -> int:
         return free_device_bytes(self.device) if self.device.type == "cuda" else 0
 
-    def _capture_all(self, progress: bool) -> None:
-        """Set up, agree on the setup with every rank, then capture bucket by bucket.
+    def _capture_all(self, buckets: list[int], progress: bool, after_each: Callable[[], None] | None = None) -> None:
+        """Set up, agree on the setup with every rank, then capture ``buckets`` one by one, largest first.
 
         The setup vote comes before any warm-up: a rank whose setup failed must not leave the
         others waiting in the first warm-up's collectives, which it would never join.
@@ -157,7 +192,7 @@ class PrefillGraphRunner:
             raise error
         if world is not CaptureStatus.OK:
             raise _PeerCaptureFailure(world)
-        self._capture_buckets(stream, group, progress)
+        self._capture_buckets(buckets, stream, group, progress, after_each)
 
     def _prepare_capture(self) -> torch.cuda.Stream:
         """Static input buffers at the top bucket's size, the graph pool, the capture stream."""
@@ -181,12 +216,15 @@ class PrefillGraphRunner:
                                  "declare a matching buffer or none (the core then allocates one)")
         return buf[:rows]
 
-    def _capture_buckets(self, stream: torch.cuda.Stream, group: Any, progress: bool) -> None:
-        ordered = sorted(self.buckets, reverse=True)
+    def _capture_buckets(self, buckets: list[int], stream: torch.cuda.Stream, group: Any, progress: bool,
+                         after_each: Callable[[], None] | None) -> None:
+        ordered = sorted(buckets, reverse=True)
         for i, bucket in enumerate(tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress,
                                         leave=False)):
             warm = i == 0 or self.config.warmup == "every_bucket"
             self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=warm)
+            if after_each is not None:
+                after_each()
 
     def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool) -> SegmentedGraph:
         """Capture one bucket, then agree on the outcome with every rank before the next one.

@@ -64,7 +64,7 @@ class VllmPrefillGraphs:
         stale_metadata: test-only negative control (see ``STALE_METADATA_ENV``).
     """
 
-    def __init__(self, host: VllmHost, vllm_config: Any):
+    def __init__(self, host: VllmHost, vllm_config: Any, *, reports: bool = True):
         self.host = host
         self.runner = PrefillGraphRunner(
             plugin_manager(*host.plugins()), bcg_config(vllm_config),
@@ -73,7 +73,7 @@ class VllmPrefillGraphs:
         self.stale_metadata = os.environ.get(STALE_METADATA_ENV) == "1"
         self._buckets = frozenset()
         self._slot_mapping_probe: tuple[str, int] | None = None
-        self._reports = _first_tp_rank()
+        self._reports = reports and _first_tp_rank()
         self.reporter = StatsReporter(
             self.runner.stats, logger=logger, interval_s=STATS_LOG_INTERVAL_S if self._reports else 0,
             exporter=host_exporter("vllm:", logger) if self._reports else None,
@@ -84,14 +84,18 @@ class VllmPrefillGraphs:
 
     @classmethod
     def build(cls, host_factory: Any, vllm_config: Any, *, model: Any, attn_groups: Any,
-              kv_cache_config: Any) -> VllmPrefillGraphs | None:
-        """The graphs for a runner, or ``None`` (logged once) if the runner has a feature bcg skips."""
+              kv_cache_config: Any, reports: bool = True) -> VllmPrefillGraphs | None:
+        """The graphs for a runner, or ``None`` (logged once) if the runner has a feature bcg skips.
+
+        ``reports=False``: graphs built only to estimate memory; they log no stats, export no
+        metrics and leave the unsupported-feature warning to the graphs that capture.
+        """
         reason = runner_unsupported_reason(model, attn_groups, kv_cache_config)
         if reason is not None:
-            if _first_tp_rank():
+            if reports and _first_tp_rank():
                 logger.warning("bcg: prefill graphs stay off for this engine: %s is not supported", reason)
             return None
-        return cls(host_factory(), vllm_config)
+        return cls(host_factory(), vllm_config, reports=reports)
 
     # -- capture ---------------------------------------------------------------------------------
 
@@ -110,6 +114,14 @@ class VllmPrefillGraphs:
             break
         if not self.stale_metadata:
             self.host.capture_contexts.clear()
+
+    @torch.inference_mode()
+    def estimate(self) -> int:
+        """The device memory :meth:`capture` will take (see :meth:`PrefillGraphRunner.estimate_graph_bytes`)."""
+        with self.host.capturing():
+            estimate = self.runner.estimate_graph_bytes()
+        self.host.capture_contexts.clear()
+        return estimate
 
     # -- per step --------------------------------------------------------------------------------
 

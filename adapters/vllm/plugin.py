@@ -144,6 +144,33 @@ def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, b
     return graphs
 
 
+def estimate_v1(runner: Any) -> int:
+    """bcg's graph memory for the V1 runner's KV-cache sizing, measured like vLLM's own estimate:
+    on a minimal KV cache, released afterwards. 0 when bcg does not run here."""
+    from vllm.config import set_current_vllm_config
+
+    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_adapters.vllm.host import V1Host
+
+    if not runs_bcg(runner.vllm_config):
+        return 0
+    with set_current_vllm_config(runner.vllm_config):
+        runner._init_minimal_kv_cache_for_profiling()
+    try:
+        graphs = VllmPrefillGraphs.build(
+            lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(), attn_groups=runner.attn_groups,
+            kv_cache_config=runner.kv_cache_config, reports=False,
+        )
+        if graphs is None:
+            return 0
+        try:
+            return graphs.estimate()
+        finally:
+            graphs.close()
+    finally:
+        runner._cleanup_profiling_kv_cache()
+
+
 def capture_v1(runner: Any) -> Any:
     """Build and capture the V1 runner's prefill graphs; ``None`` when bcg does not run here."""
     from bcg_adapters.vllm.graphs import VllmPrefillGraphs

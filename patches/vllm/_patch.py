@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 
@@ -30,6 +30,8 @@ class Patch:
         make: ``make(original) -> replacement``.
         reason: why the patch exists (shown in patches/README.md and in errors).
         remove_when: the condition under which the patch can be deleted.
+        uses: other symbols of ``module`` the replacement calls but does not patch
+            (qualname -> parameter names), verified with the target.
     """
 
     module: str
@@ -38,43 +40,49 @@ class Patch:
     make: Callable[[Callable[..., Any]], Callable[..., Any]]
     reason: str
     remove_when: str
+    uses: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)
     _saved: tuple[Any, str, Any] | None = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def target(self) -> str:
         return f"{self.module}.{self.qualname}"
 
-    def _owner_and_name(self) -> tuple[Any, str]:
+    def _owner_and_name(self, qualname: str | None = None) -> tuple[Any, str]:
+        qualname = qualname or self.qualname
+        where = f"{self.module}.{qualname}"
         try:
             owner: Any = importlib.import_module(self.module)
         except Exception as e:  # an import that fails is a missing target, whatever the reason
-            raise PatchTargetError(f"{self.target}: cannot import {self.module} ({e!r})") from e
-        *path, name = self.qualname.split(".")
+            raise PatchTargetError(f"{where}: cannot import {self.module} ({e!r})") from e
+        *path, name = qualname.split(".")
         for part in path:
             owner = getattr(owner, part, None)
             if owner is None:
-                raise PatchTargetError(f"{self.target}: {part} not found")
+                raise PatchTargetError(f"{where}: {part} not found")
         return owner, name
 
-    def original(self) -> Callable[..., Any]:
-        owner, name = self._owner_and_name()
+    def original(self, qualname: str | None = None) -> Callable[..., Any]:
+        owner, name = self._owner_and_name(qualname)
         # The raw class attribute, so staticmethod/classmethod wrappers would be seen for what they are.
         fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if fn is None:
-            raise PatchTargetError(f"{self.target}: attribute not found")
+            raise PatchTargetError(f"{self.module}.{qualname or self.qualname}: attribute not found")
         return fn
 
     def verify(self) -> None:
-        """Raise :class:`PatchTargetError` unless the target exists with exactly ``params``."""
-        fn = self.original()
-        if getattr(fn, "__bcg_patch__", None) is not None:
-            fn = fn.__bcg_patch__
-        try:
-            found = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError) as e:
-            raise PatchTargetError(f"{self.target}: no inspectable signature ({e!r})") from e
-        if found != list(self.params):
-            raise PatchTargetError(f"{self.target}: expected parameters {list(self.params)}, found {found}")
+        """Raise :class:`PatchTargetError` unless the target and every symbol in ``uses`` exist with
+        exactly the parameters named."""
+        for qualname, params in {self.qualname: self.params, **self.uses}.items():
+            where = f"{self.module}.{qualname}"
+            fn = self.original(qualname)
+            if getattr(fn, "__bcg_patch__", None) is not None:
+                fn = fn.__bcg_patch__
+            try:
+                found = list(inspect.signature(fn).parameters)
+            except (TypeError, ValueError) as e:
+                raise PatchTargetError(f"{where}: no inspectable signature ({e!r})") from e
+            if found != list(params):
+                raise PatchTargetError(f"{where}: expected parameters {list(params)}, found {found}")
 
     @property
     def applied(self) -> bool:

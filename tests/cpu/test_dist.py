@@ -94,7 +94,7 @@ def _runner_after_injected_failure(rank, failing_rank):
         BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32, device="cpu",
     )
 
-    def capture_all(progress):  # the healthy rank "captures" nothing CUDA-side; the other raises
+    def capture_all(buckets, progress):  # the healthy rank "captures" nothing CUDA-side; the other raises
         if rank == failing_rank:
             raise RuntimeError("injected capture failure")
 

@@ -14,7 +14,7 @@ def _captured_runner(monkeypatch, free_bytes, pool_bytes):
     free = iter(free_bytes)
     monkeypatch.setattr(runner_mod, "free_device_bytes", lambda device: next(free))
 
-    def capture_all(progress):  # stands in for the CUDA-side capture: one bucket and its pool
+    def capture_all(buckets, progress):  # stands in for the CUDA-side capture: one bucket and its pool
         runner._pool = types.SimpleNamespace(reserved_bytes=lambda: pool_bytes)
         runner._graphs = {32: object()}
 
@@ -38,6 +38,6 @@ def test_graph_memory_never_goes_negative_when_other_memory_was_freed_meanwhile(
 def test_a_runner_off_cuda_measures_nothing(monkeypatch):
     monkeypatch.setattr(runner_mod, "free_device_bytes", lambda device: (_ for _ in ()).throw(AssertionError))
     runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(16,)), chunk_size=16, device="cpu")
-    runner._capture_all = lambda progress: setattr(runner, "_pool", types.SimpleNamespace(reserved_bytes=lambda: 7))
+    runner._capture_all = lambda buckets, progress: setattr(runner, "_pool", types.SimpleNamespace(reserved_bytes=lambda: 7))
     runner.capture(progress=False)
     assert runner.stats.graph_bytes == 0 and runner.stats.pool_bytes == 7

@@ -109,6 +109,16 @@ def test_a_changed_signature_is_refused_and_nothing_is_applied():
         assert not is_patched(good)
 
 
+def test_symbols_a_patch_calls_are_verified_with_its_target():
+    target = dict(module="vllm.v1.worker.gpu_model_runner", qualname="GPUModelRunner.profile_cudagraph_memory",
+                  params=["self"], make=lambda f: f, reason="test", remove_when="never")
+    Patch(**target, uses={"GPUModelRunner._cleanup_profiling_kv_cache": ["self"]}).verify()
+    for uses, problem in [({"GPUModelRunner._no_such_helper": ["self"]}, "attribute not found"),
+                          ({"GPUModelRunner._cleanup_profiling_kv_cache": ["self", "x"]}, "expected parameters")]:
+        with pytest.raises(PatchTargetError, match=f"GPUModelRunner._.*{problem}"):
+            Patch(**target, uses=uses).verify()
+
+
 def test_patch_sets_apply_and_unapply_cleanly():
     originals = {p.target: p.original() for p in ALL if hasattr(p, "_saved")}
     ENTRY.apply()
@@ -393,6 +403,70 @@ def test_v1_capture_reports_bcgs_graph_memory_with_vllms(monkeypatch, captured, 
     capture_model = mod.make(lambda self: 1000)  # what vLLM's own capture measured for its graphs
     assert capture_model(runner) == expected
     assert runner._bcg_graphs is graphs and runner.cudagraph_dispatcher._bcg_graphs is graphs
+
+
+def test_v1_profile_adds_bcgs_estimate_to_the_one_vllm_sizes_the_kv_cache_with(monkeypatch):
+    from bcg_patches.vllm import v1_gpu_model_runner_profile_cudagraph_memory as mod
+
+    seen = []
+    monkeypatch.setattr(plugin, "estimate_v1", lambda runner: seen.append(runner) or 300)
+    runner = object()
+    assert mod.make(lambda self: 1000)(runner) == 1300  # vLLM's own estimate plus bcg's
+    assert seen == [runner]
+
+
+class _ProfilingRunner:
+    """The V1 runner methods ``estimate_v1`` calls, recorded in order."""
+
+    def __init__(self):
+        self.vllm_config, self.calls = object(), []
+        self.attn_groups, self.kv_cache_config = [], None
+
+    def _init_minimal_kv_cache_for_profiling(self):
+        self.calls.append("init minimal KV cache")
+
+    def _cleanup_profiling_kv_cache(self):
+        self.calls.append("clean up minimal KV cache")
+
+    def get_model(self):
+        return None
+
+
+@pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises"])
+def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypatch, outcome):
+    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+
+    runner = _ProfilingRunner()
+    monkeypatch.setattr(plugin, "runs_bcg", lambda config: True)
+
+    class _Graphs:
+        def estimate(self):
+            runner.calls.append("estimate")
+            if outcome == "raises":
+                raise RuntimeError("boom")
+            return 700
+
+        def close(self):
+            runner.calls.append("close graphs")
+
+    def build(host_factory, vllm_config, *, reports, **_):
+        assert reports is False  # built to measure, not to serve: no stats lines, no metrics
+        return None if outcome == "unsupported" else _Graphs()
+
+    monkeypatch.setattr(VllmPrefillGraphs, "build", build)
+    if outcome == "raises":
+        with pytest.raises(RuntimeError, match="boom"):
+            plugin.estimate_v1(runner)
+    else:
+        assert plugin.estimate_v1(runner) == (700 if outcome == "estimated" else 0)
+    inner = {"estimated": ["estimate", "close graphs"], "unsupported": [], "raises": ["estimate", "close graphs"]}
+    assert runner.calls == ["init minimal KV cache", *inner[outcome], "clean up minimal KV cache"]
+
+
+def test_v1_estimate_is_zero_without_touching_the_runner_where_bcg_does_not_run(monkeypatch):
+    runner = _ProfilingRunner()
+    monkeypatch.setattr(plugin, "runs_bcg", lambda config: False)
+    assert plugin.estimate_v1(runner) == 0 and runner.calls == []
 
 
 class _CallableModel:

@@ -18,6 +18,7 @@ import bcg_plugin.runner as runner_module
 from bcg_plugin import BcgCaptureError, BcgCaptureOOM, BcgConfig, Fallback, PrefillGraphRunner, live, plugin_manager
 from bcg_plugin.breaks import _capture_holds, eager_break
 from bcg_plugin.hookspecs import hookimpl
+from bcg_plugin.pool import free_device_bytes
 from bcg_plugin.testing import QWEN3_0_6B, ToyAdapter, ToyDecoder
 
 pytestmark = pytest.mark.gpu
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.gpu
 PADDED_REL_TOL = 2e-2  # relative Frobenius error of final hidden states, bf16, padded replay vs eager
 TOP = 2048
 FIRST_REAL_SLOT = TOP  # slots [0, TOP) are the capture batches' dummy region
+ESTIMATE_REL_TOL = 0.25  # graph-memory estimate from two buckets vs the whole ladder's capture
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -246,6 +248,24 @@ def test_graph_memory_of_full_ladder_vs_largest_bucket(model):
     print(f"\ngraph memory: {n_full} buckets {full / 2**20:.1f} MiB, top bucket alone {top_only / 2**20:.1f} MiB, "
           f"ratio {ratio:.2f}")
     assert n_full == 40 and ratio <= 1.5
+
+
+def test_graph_memory_estimate_leaves_nothing_behind_and_is_near_the_capture(model):
+    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), BcgConfig(enable=True), chunk_size=TOP)
+    free_before = free_device_bytes(runner.device)
+    estimate = runner.estimate_graph_bytes()
+    left_behind = free_before - free_device_bytes(runner.device)
+    runner.capture(progress=False)
+    try:
+        actual = runner.stats.graph_bytes
+        print(f"\ngraph memory estimate {estimate / 2**20:.1f} MiB, capture {actual / 2**20:.1f} MiB, "
+              f"left behind by the estimate {left_behind / 2**20:.1f} MiB")
+        assert runner.captured and len(runner.buckets) == 40
+        assert left_behind <= 2**20, left_behind  # the sampled buckets and their pool are gone
+        assert abs(estimate - actual) <= ESTIMATE_REL_TOL * actual, (estimate, actual)
+    finally:
+        runner.close()
+        torch.cuda.empty_cache()
 
 
 class _UnjoinedStreamAdapter(ToyAdapter):

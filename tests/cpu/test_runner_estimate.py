@@ -1,0 +1,91 @@
+"""The graph-memory estimate for hosts that size their KV cache before capturing: sample, release, extrapolate."""
+
+import logging
+
+import pytest
+import torch
+
+from bcg_plugin import BcgConfig, BcgStateError, PrefillGraphRunner, plugin_manager
+from bcg_plugin import runner as runner_mod
+
+SIZES = (16, 32, 64, 128)
+TOP_COST, FURTHER_COST = 1000, 10  # bytes the fake device loses to the top bucket and to each further one
+
+
+class _FakeDevice:
+    """Free memory that each captured bucket takes and each released one gives back."""
+
+    def __init__(self, failing_bucket=None):
+        self.free, self.failing_bucket = 50_000, failing_bucket
+        self.captured, self.released = [], []
+
+    def capture(self, bucket, stream, warm=True):
+        if bucket == self.failing_bucket:
+            raise RuntimeError(f"injected failure at bucket {bucket}")
+        cost = TOP_COST if not self.captured else FURTHER_COST
+        self.free -= cost
+        self.captured.append(bucket)
+        device = self
+
+        class _Graph:
+            def release(self):
+                device.free += cost
+                device.released.append(bucket)
+
+        return _Graph()
+
+
+def _runner(monkeypatch, device):
+    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
+                                device=torch.device("cuda", 0))
+    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
+    runner._prepare_capture = lambda: None  # no static buffers or stream off CUDA
+    runner._capture_bucket = device.capture
+    return runner
+
+
+def test_estimate_is_the_top_bucket_plus_the_second_for_every_further_bucket(monkeypatch, caplog):
+    device = _FakeDevice()
+    runner = _runner(monkeypatch, device)
+    with caplog.at_level(logging.INFO, logger="bcg_plugin"):
+        estimate = runner.estimate_graph_bytes()
+    assert estimate == TOP_COST + FURTHER_COST * (len(SIZES) - 1)
+    assert device.captured == [128, 64]  # the two largest, largest first
+    assert sorted(device.released) == [64, 128] and device.free == 50_000  # nothing left behind
+    assert not runner.captured and runner._pool is None
+    assert "estimated at" in caplog.text and "4 buckets" in caplog.text
+
+
+def test_capture_can_follow_the_estimate(monkeypatch):
+    device = _FakeDevice()
+    runner = _runner(monkeypatch, device)
+    runner.estimate_graph_bytes()
+    device.captured.clear()
+    monkeypatch.setattr(runner_mod, "GraphPool", lambda: type("P", (), {"reserved_bytes": lambda self: 0})())
+    runner._prepare_capture = lambda: runner.__setattr__("_pool", runner_mod.GraphPool())
+    runner.capture(progress=False)
+    assert runner.captured and device.captured == sorted(SIZES, reverse=True)
+    assert runner.stats.graph_bytes == TOP_COST + FURTHER_COST * (len(SIZES) - 1)
+
+
+def test_a_failed_sample_estimates_nothing_and_releases_what_it_captured(monkeypatch, caplog):
+    device = _FakeDevice(failing_bucket=64)
+    runner = _runner(monkeypatch, device)
+    with caplog.at_level(logging.WARNING, logger="bcg_plugin"):
+        assert runner.estimate_graph_bytes() == 0
+    assert device.released == [128] and device.free == 50_000
+    assert "could not estimate prefill graph memory" in caplog.text and "injected failure" in caplog.text
+
+
+def test_estimate_after_capture_is_refused(monkeypatch):
+    device = _FakeDevice()
+    runner = _runner(monkeypatch, device)
+    runner._graphs = {128: object()}
+    with pytest.raises(BcgStateError, match="must come before capture"):
+        runner.estimate_graph_bytes()
+
+
+def test_an_inactive_runner_estimates_nothing(monkeypatch):
+    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=False), chunk_size=128, device="cpu")
+    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: pytest.fail("measured an inactive runner"))
+    assert runner.estimate_graph_bytes() == 0
