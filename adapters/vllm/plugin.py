@@ -146,7 +146,11 @@ def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, b
 
 def estimate_v1(runner: Any) -> int:
     """bcg's graph memory for the V1 runner's KV-cache sizing, measured like vLLM's own estimate:
-    on a minimal KV cache, released afterwards. 0 when bcg does not run here."""
+    on a minimal KV cache, released afterwards. 0 when bcg does not run here.
+
+    The estimate is advice for vLLM's memory budget: if taking it fails, vLLM sizes the KV cache
+    without it (one warning) and the capture, which decides whether bcg runs, still follows.
+    """
     from vllm.config import set_current_vllm_config
 
     from bcg_adapters.vllm.graphs import VllmPrefillGraphs
@@ -154,21 +158,26 @@ def estimate_v1(runner: Any) -> int:
 
     if not runs_bcg(runner.vllm_config):
         return 0
-    with set_current_vllm_config(runner.vllm_config):
-        runner._init_minimal_kv_cache_for_profiling()
     try:
-        graphs = VllmPrefillGraphs.build(
-            lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(), attn_groups=runner.attn_groups,
-            kv_cache_config=runner.kv_cache_config, reports=False,
-        )
-        if graphs is None:
-            return 0
+        with set_current_vllm_config(runner.vllm_config):
+            runner._init_minimal_kv_cache_for_profiling()
         try:
-            return graphs.estimate()
+            graphs = VllmPrefillGraphs.build(
+                lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(),
+                attn_groups=runner.attn_groups, kv_cache_config=runner.kv_cache_config, reports=False,
+            )
+            if graphs is None:
+                return 0
+            try:
+                return graphs.estimate()
+            finally:
+                graphs.close()
         finally:
-            graphs.close()
-    finally:
-        runner._cleanup_profiling_kv_cache()
+            runner._cleanup_profiling_kv_cache()
+    except Exception as e:
+        logger.warning("bcg: could not estimate the prefill graphs' memory (%r); vLLM sizes the KV cache "
+                       "without them, so they come out of the headroom --gpu-memory-utilization leaves", e)
+        return 0
 
 
 def capture_v1(runner: Any) -> Any:
