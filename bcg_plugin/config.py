@@ -42,7 +42,8 @@ class BcgConfig:
         torch_compile: keep the host's torch.compile of the model body and capture the compiled code,
             attention still the eager break, so graph-bound sizes get the compiler's fused kernels
             too. vLLM only (its piecewise compilation already splits the body at attention); off,
-            the adapter turns torch.compile off and captures the plain PyTorch model.
+            the adapter turns torch.compile off and captures the plain PyTorch model. The vLLM
+            adapter defaults to on, keeping the compilation vLLM is configured with.
     """
 
     enable: bool = False

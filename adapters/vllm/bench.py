@@ -1,8 +1,9 @@
 """One vLLM benchmark mode in this process: ``python -m bcg_adapters.vllm.bench --mode M ...``.
 
 Modes: ``eager`` (enforce_eager), ``native`` (vLLM's breakable graphs, default sizes), ``native_ladder``
-(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg``, and
-``bcg_compile`` (bcg with ``torch_compile``: its graphs capture vLLM's default piecewise compilation).
+(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg`` (bcg
+over the plain model, ``torch_compile`` false), and ``bcg_compile`` (bcg with ``torch_compile``, the
+vLLM adapter's default: its graphs capture vLLM's default piecewise compilation).
 Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
 ``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
 wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
@@ -180,8 +181,8 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
     elif mode == "native_ladder":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
                                         "max_cudagraph_capture_size": chunk}
-    elif mode == "bcg":
-        kwargs["additional_config"] = {"bcg": bench_bcg_config()}
+    elif mode == "bcg":  # bcg over the plain model (vLLM's compilation off)
+        kwargs["additional_config"] = {"bcg": {"torch_compile": False, **bench_bcg_config()}}
     elif mode == "bcg_compile":  # bcg over vLLM's default (-O2) piecewise compilation
         kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": True}}
     return kwargs

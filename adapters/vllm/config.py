@@ -28,7 +28,11 @@ def raw_bcg_config(vllm_config: Any) -> Any:
 # Where vLLM's defaults differ from the core's. ``first_bucket`` brings the whole capture under
 # vLLM's own; the 200-prompt GPU tests and their negative control pass under it on both runners
 # and both attention backends (benchmarks/results/logs/vllm-gpu-tests-first-bucket-*.log).
-VLLM_DEFAULTS = {"warmup": "first_bucket"}
+# ``torch_compile``: enabling bcg keeps the compilation vLLM is configured with (its default -O2
+# compiles; -O0 does not), so bcg replays the compiler's fused kernels where prefill is GPU-bound;
+# ``false`` turns it off for a shorter start. Its engine tests (one GPU, TP 2, DP 2), a 600 s soak
+# and the benchmarks ran with it (vllm-soak-torch-compile-2026-11-30.log, vllm-qwen3-0.6b-*T2048Z.md).
+VLLM_DEFAULTS = {"warmup": "first_bucket", "torch_compile": True}
 
 
 def bcg_config(vllm_config: Any) -> BcgConfig:
@@ -82,6 +86,7 @@ def unsupported_reason(vllm_config: Any) -> str | None:
 # as one graph around the attention op.
 COMPILE_MODES_CAPTURED = ("NONE", "VLLM_COMPILE")
 ATTENTION_OP = "vllm::unified_attention_with_output"  # bcg's eager break: called between compiled pieces
+OFF_HINT = '; or "torch_compile": false, and bcg captures the model without torch.compile'
 
 
 def compile_problem(compilation_config: Any) -> str | None:
@@ -89,12 +94,12 @@ def compile_problem(compilation_config: Any) -> str | None:
     cc = compilation_config
     mode = getattr(cc.mode, "name", cc.mode)
     if cc.mode is not None and mode not in COMPILE_MODES_CAPTURED:
-        return f"compilation mode {mode} with torch_compile (use the default -O2 or -cc.mode=VLLM_COMPILE)"
+        return f"compilation mode {mode} with torch_compile (use the default -O2 or -cc.mode=VLLM_COMPILE{OFF_HINT})"
     if getattr(cc, "use_inductor_graph_partition", False):
-        return "use_inductor_graph_partition with torch_compile (attention must stay a splitting op)"
+        return f"use_inductor_graph_partition with torch_compile (attention must stay a splitting op{OFF_HINT})"
     splitting = getattr(cc, "splitting_ops", None)
     if splitting is not None and mode == "VLLM_COMPILE" and ATTENTION_OP not in splitting:
-        return f"splitting_ops without {ATTENTION_OP} with torch_compile (attention must stay a splitting op)"
+        return f"splitting_ops without {ATTENTION_OP} with torch_compile (attention must stay a splitting op{OFF_HINT})"
     return None
 
 

@@ -3,11 +3,12 @@
 Runs at the top of ``VllmConfig.__post_init__`` (in the front-end, where the config is built), so
 the launch flags bcg needs are in place before vLLM applies its optimisation-level defaults:
 
-* ``compilation_config.mode = NONE``: no torch.compile; the model runs as plain PyTorch and bcg
-  captures it directly (the same as ``-O0`` / ``-cc.mode=NONE``). With ``torch_compile`` the mode
-  stays as vLLM sets it (``VLLM_COMPILE`` at the default ``-O2``): vLLM's piecewise compilation
-  splits the body at attention and the KV-cache write, bcg captures the compiled pieces and the
-  write, and attention stays the eager break;
+* the compilation mode stays as vLLM sets it (``torch_compile``, the vLLM default): at the default
+  ``-O2`` that is ``VLLM_COMPILE``, whose piecewise compilation splits the body at attention and the
+  KV-cache write; bcg captures the compiled pieces and the write, and attention stays the eager
+  break. At ``-O0`` nothing is compiled and bcg captures the plain model. With
+  ``"torch_compile": false`` the plugin sets ``compilation_config.mode = NONE`` (the same as ``-O0``)
+  for a shorter start, without the compiler's fused kernels;
 * ``compilation_config.cudagraph_mode = FULL_DECODE_ONLY`` unless the user chose ``NONE``: vLLM keeps
   its own FULL graphs for uniform decode batches, and every other batch is dispatched to bcg.
   Modes with piecewise graphs would be downgraded to ``NONE`` by vLLM without torch.compile, which
@@ -21,10 +22,10 @@ from typing import Any
 from bcg_adapters.vllm.config import bcg_config, compile_problem, raw_bcg_config, unsupported_reason
 from bcg_adapters.vllm.log import logger
 
-# Said where bcg turns the user's torch.compile off: the compiler's fused kernels are what a
-# GPU-bound prefill loses (Qwen3's per-head q/k norm and rotary run as separate eager kernels).
-COMPILE_HINT = ('"torch_compile": true keeps vLLM\'s compiled kernels, faster where prefill is GPU-bound, '
-                "at the compile's start-up cost")
+# Said where bcg turns torch.compile off: the compiler's fused kernels are what a GPU-bound prefill
+# loses (Qwen3's per-head q/k norm and rotary run as separate eager kernels).
+COMPILE_HINT = ('"torch_compile": false: a shorter start, without vLLM\'s compiled kernels, which are faster '
+                "where prefill is GPU-bound")
 
 _logged: set[str] = set()
 

@@ -1,7 +1,7 @@
 """``VllmConfig.__post_init__``: validate ``additional_config["bcg"]`` and set bcg's launch flags.
 
-Runs before the original, so torch.compile is off and decode keeps FULL graphs before vLLM applies
-its optimisation-level defaults (see :mod:`bcg_adapters.vllm.launch`). A pass-through when the
+Runs before the original, so decode keeps FULL graphs (and torch.compile is off where the bcg config
+says ``"torch_compile": false``) before vLLM applies its optimisation-level defaults (see :mod:`bcg_adapters.vllm.launch`). A pass-through when the
 config has no ``"bcg"`` key.
 """
 
@@ -28,7 +28,8 @@ PATCH = Patch(
     qualname="VllmConfig.__post_init__",
     params=["self"],
     make=make,
-    reason="validate additional_config['bcg'] at engine start; turn torch.compile off and keep "
-           "FULL decode graphs when bcg is enabled, before optimisation-level defaults apply",
+    reason="validate additional_config['bcg'] at engine start; keep FULL decode graphs (and turn "
+           "torch.compile off with torch_compile false) when bcg is enabled, before optimisation-level "
+           "defaults apply",
     remove_when="vLLM lets a general plugin adjust the config before defaults (a config hook)",
 )

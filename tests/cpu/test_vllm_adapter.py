@@ -166,22 +166,38 @@ def test_vllm_warmup_default_sits_under_the_users_keys(raw, warmup):
     assert "warmup" not in raw or raw["warmup"] == warmup
 
 
-def test_enabling_turns_torch_compile_off_and_says_how_to_keep_it(model_config, caplog):
+def test_enabling_keeps_vllms_compilation_unless_torch_compile_is_false(model_config, caplog):
     from vllm.config.compilation import CompilationMode
+
+    from bcg_adapters.vllm.config import prefill_graphs_wanted
 
     plugin.register()
     launch._logged.clear()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        cfg = make_config(model_config, additional_config={"bcg": {"enable": True}})
-    assert cfg.compilation_config.mode == CompilationMode.NONE
-    assert make_config(model_config).compilation_config.mode != CompilationMode.NONE
+        default = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    assert default.compilation_config.mode == make_config(model_config).compilation_config.mode
+    assert default.compilation_config.mode == CompilationMode.VLLM_COMPILE and prefill_graphs_wanted(default)
     [line] = [r.getMessage() for r in bcg_records(caplog) if "prefill graphs enabled" in r.getMessage()]
-    assert "-> NONE" in line and launch.COMPILE_HINT in line
+    assert "-> NONE" not in line and "'torch_compile': True" in line
     launch._logged.clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": True}})
-    assert not any(launch.COMPILE_HINT in r.getMessage() for r in bcg_records(caplog))  # nothing to keep
+        off = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
+    assert off.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(off)
+    [line] = [r.getMessage() for r in bcg_records(caplog) if "prefill graphs enabled" in r.getMessage()]
+    assert "-> NONE" in line and launch.COMPILE_HINT in line
+
+
+def test_at_o0_bcg_captures_the_plain_model_whatever_torch_compile_says(model_config):
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode
+
+    from bcg_adapters.vllm.config import prefill_graphs_wanted
+
+    plugin.register()
+    cfg = make_config(model_config, compilation_config=CompilationConfig(mode=CompilationMode.NONE),
+                      additional_config={"bcg": {"enable": True}})
+    assert cfg.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(cfg)
 
 
 @pytest.mark.parametrize("user_mode, expected", [
@@ -212,7 +228,7 @@ def test_torch_compile_keeps_vllms_piecewise_compilation(model_config):
     assert cc.mode == CompilationMode.VLLM_COMPILE  # (cudagraph_mode: vLLM's CPU platform turns graphs off)
     assert ATTENTION_OP in cc.splitting_ops  # attention stays a call between compiled pieces: the break
     assert prefill_graphs_wanted(cfg)
-    plain = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    plain = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
     assert plain.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(plain)
 
 
@@ -232,6 +248,7 @@ def test_torch_compile_layouts_bcg_cannot_capture_stay_off(model_config, caplog,
                           additional_config={"bcg": {"enable": True, "torch_compile": True}})
     records = bcg_records(caplog)
     assert len(records) == 1 and records[0].levelno == logging.WARNING and reason in records[0].getMessage()
+    assert '"torch_compile": false' in records[0].getMessage()  # the way to run bcg on this engine anyway
     assert not prefill_graphs_wanted(cfg)
 
 
@@ -775,6 +792,14 @@ def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
     assert bench_bcg_config({}) == {"enable": True}
     assert bench_bcg_config({"BCG_WARMUP": "first_bucket", "BCG_MAX_TOKENS": "1024"}) == {
         "enable": True, "warmup": "first_bucket", "max_tokens": 1024}
+
+
+def test_bench_bcg_mode_captures_the_plain_model_and_bcg_compile_the_compiled_one(monkeypatch):
+    from bcg_adapters.vllm.bench import engine_kwargs
+
+    monkeypatch.delenv("BCG_TORCH_COMPILE", raising=False)
+    assert engine_kwargs("bcg", "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]["torch_compile"] is False
+    assert engine_kwargs("bcg_compile", "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]["torch_compile"] is True
 
 
 def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):

@@ -182,7 +182,7 @@ def vllm_engine(role: str, progress: Path) -> dict:
         enable_expert_parallel=DP > 1,  # the experts spread over the DP ranks, as in test_vllm_gpu
     )
     if role == "soak":
-        kwargs["additional_config"] = {"bcg": {"enable": True, **({"torch_compile": True} if TORCH_COMPILE else {})}}
+        kwargs["additional_config"] = {"bcg": {"enable": True, "torch_compile": TORCH_COMPILE}}
     else:  # with torch_compile the reference is vLLM's own compiled engine (-O2, its graphs)
         kwargs["enforce_eager"] = not TORCH_COMPILE
     llm = LLM(**kwargs)

@@ -126,9 +126,8 @@ def run_engine(name: str, out: Path) -> None:
     if spec["bcg"]:
         from bcg_adapters.vllm.bench import bench_bcg_config
 
-        kwargs["additional_config"] = {"bcg": bench_bcg_config()}  # enabled, plus any BCG_* key set
-        if spec.get("torch_compile"):
-            kwargs["additional_config"]["bcg"]["torch_compile"] = True
+        # enabled, plus any BCG_* key set; over the plain model unless the engine's spec compiles
+        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": bool(spec.get("torch_compile"))}}
     else:
         kwargs["enforce_eager"] = not spec.get("torch_compile")
     llm = LLM(**kwargs)
