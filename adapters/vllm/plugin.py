@@ -153,19 +153,13 @@ def estimate_v1(runner: Any) -> int:
     """
     from vllm.config import set_current_vllm_config
 
-    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
-    from bcg_adapters.vllm.host import V1Host
-
     if not runs_bcg(runner.vllm_config):
         return 0
     try:
         with set_current_vllm_config(runner.vllm_config):
             runner._init_minimal_kv_cache_for_profiling()
         try:
-            graphs = VllmPrefillGraphs.build(
-                lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(),
-                attn_groups=runner.attn_groups, kv_cache_config=runner.kv_cache_config, reports=False,
-            )
+            graphs = _v1_graphs(runner, reports=False)
             if graphs is None:
                 return 0
             try:
@@ -182,15 +176,19 @@ def estimate_v1(runner: Any) -> int:
 
 def capture_v1(runner: Any) -> Any:
     """Build and capture the V1 runner's prefill graphs; ``None`` when bcg does not run here."""
-    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
-    from bcg_adapters.vllm.host import V1Host
-
     if not runs_bcg(runner.vllm_config):
         return None
-    graphs = VllmPrefillGraphs.build(
-        lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(), attn_groups=runner.attn_groups,
-        kv_cache_config=runner.kv_cache_config,
-    )
+    graphs = _v1_graphs(runner)
     if graphs is not None:
         graphs.capture()
     return graphs
+
+
+def _v1_graphs(runner: Any, reports: bool = True) -> Any:
+    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_adapters.vllm.host import V1Host
+
+    return VllmPrefillGraphs.build(
+        lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(), attn_groups=runner.attn_groups,
+        kv_cache_config=runner.kv_cache_config, reports=reports,
+    )
