@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import json
+
+from bcg_adapters.vllm.config import VLLM_DEFAULTS
 from bcg_adapters.vllm.graphs import METRICS_ENV, METRICS_NOTE
 from bcg_plugin.doctor import AdapterReport
 
@@ -19,6 +22,9 @@ def diagnose() -> AdapterReport:
     problem = version_problem(report.version)
     if problem is not None:
         report.problems.append(problem)
+    report.notes.append(f"vLLM's defaults under the keys you set: {json.dumps(VLLM_DEFAULTS)} (torch_compile keeps "
+                        "the compilation vLLM is configured with; -O0 or \"torch_compile\": false captures the "
+                        "plain model)")
     if METRICS_ENV not in os.environ:
         report.notes.append(METRICS_NOTE)
     for patch in ALL:

@@ -1,6 +1,7 @@
 """``bcg doctor`` against the real host packages (skipped where a host is not importable)."""
 
 import io
+import json
 
 import pytest
 
@@ -61,3 +62,10 @@ def test_vllm_report_says_what_metrics_need(monkeypatch):
     out = io.StringIO()
     doctor.run(None, ["vllm"], out=out)
     assert "PROMETHEUS_MULTIPROC_DIR" not in out.getvalue()
+
+
+def test_vllm_report_names_the_defaults_vllm_sets_under_the_users_keys():
+    pytest.importorskip("vllm")
+    out = io.StringIO()
+    doctor.run(json.dumps({"enable": True}), ["vllm"], out=out)
+    assert 'note: vLLM\'s defaults under the keys you set: {"warmup": "first_bucket", "torch_compile": true}' in out.getvalue()
