@@ -2,8 +2,12 @@
 
 Run on the GPU host with the engine's bundle sourced:
 ``python -m pytest tests/gpu/test_metrics_gpu.py -m gpu -s -k sglang`` (or ``-k vllm``).
-Each test starts the engine's OpenAI-compatible server on a loopback port with a dummy-weight
-Qwen3-0.6B-shaped model, sends prefill requests of a few sizes, and reads ``/metrics``.
+Each server test starts the engine's OpenAI-compatible server on a loopback port with a dummy-weight
+Qwen3-0.6B-shaped model, sends prefill requests of a few sizes, and reads ``/metrics``. Installs
+without the server's packages skip those; the offline vLLM test checks the engine's half of the
+path there: counters made in vLLM's engine process, read from prometheus_client's multiprocess
+files the way vLLM's ``/metrics`` handler reads them (its server half is tested on CPU,
+``tests/cpu/test_metrics_endpoint.py``).
 """
 
 from __future__ import annotations
@@ -132,3 +136,38 @@ def test_vllm_metrics_show_bcg_replays():
         assert "vllm:bcg_eager_fallbacks_total" in text
     finally:
         _stop(proc)
+
+
+OFFLINE_VLLM = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], load_format="dummy", skip_tokenizer_init=True, max_num_batched_tokens=2048,
+              gpu_memory_utilization=0.5, max_model_len=4096, additional_config={"bcg": {"enable": True}})
+    params = SamplingParams(max_tokens=1)
+    for n in (16, 300, 1500):
+        llm.generate([{"prompt_token_ids": list(range(100, 100 + n))}], params, use_tqdm=False)
+    time.sleep(2)  # the exporter refreshes at most once a second, from the forward path
+    llm.generate([{"prompt_token_ids": [5] * 20}], params, use_tqdm=False)
+"""
+
+
+def test_vllm_engine_exports_bcg_counters_without_the_http_server(tmp_path):
+    pytest.importorskip("vllm")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    script = tmp_path / "engine.py"
+    script.write_text(OFFLINE_VLLM)
+    proc = subprocess.run([sys.executable, str(script), str(model_dir("qwen3-0.6b"))], capture_output=True, text=True,
+                          timeout=420, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(prom))
+    text = generate_latest(registry).decode()
+    assert _metric(text, "vllm:bcg_replays_total") >= 3
+    assert _metric(text, "vllm:bcg_graph_memory_bytes") > 0
+    assert "vllm:bcg_eager_fallbacks_total" in text
