@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 
 from bcg_adapters.vllm.config import VLLM_DEFAULTS
 from bcg_adapters.vllm.graphs import METRICS_ENV, METRICS_NOTE

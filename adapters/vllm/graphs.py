@@ -117,11 +117,10 @@ class VllmPrefillGraphs:
 
     @torch.inference_mode()
     def estimate(self) -> int:
-        """The device memory :meth:`capture` will take (see :meth:`PrefillGraphRunner.estimate_graph_bytes`)."""
+        """The device memory :meth:`capture` will take (see :meth:`PrefillGraphRunner.estimate_graph_bytes`);
+        the caller then closes these graphs, which drops the sampled buckets' capture contexts."""
         with self.host.capturing():
-            estimate = self.runner.estimate_graph_bytes()
-        self.host.capture_contexts.clear()
-        return estimate
+            return self.runner.estimate_graph_bytes()
 
     # -- per step --------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """``VllmConfig.__post_init__``: validate ``additional_config["bcg"]`` and set bcg's launch flags.
 
 Runs before the original, so decode keeps FULL graphs (and torch.compile is off where the bcg config
-says ``"torch_compile": false``) before vLLM applies its optimisation-level defaults (see :mod:`bcg_adapters.vllm.launch`). A pass-through when the
-config has no ``"bcg"`` key.
+says ``"torch_compile": false``) before vLLM applies its optimisation-level defaults (see
+:mod:`bcg_adapters.vllm.launch`). A pass-through when the config has no ``"bcg"`` key.
 """
 
 from __future__ import annotations
