@@ -80,6 +80,9 @@ ENGINES = {
     "bcg_fa_compile": {"backend": "FLASH_ATTN", "bcg": True, "torch_compile": True},
     # vLLM's own default compilation and graphs, no bcg: how far compilation alone moves outputs
     "compile_fa": {"backend": "FLASH_ATTN", "bcg": False, "torch_compile": True},
+    # the adapter's default (torch_compile) with the other attention backend
+    "bcg_triton_compile": {"backend": "TRITON_ATTN", "bcg": True, "torch_compile": True},
+    "compile_triton": {"backend": "TRITON_ATTN", "bcg": False, "torch_compile": True},
 }
 
 
@@ -287,7 +290,7 @@ def _assert_bcg_ran(run: dict) -> None:
     # Compilation alone moves outputs: vLLM's own compiled engine, without bcg, differs from eager
     # beyond the tolerance on a near-tied prompt at TP 2 (logs/vllm-compile-tp2-outputs-compared-2026-11-30.log),
     # so bcg over compiled pieces is held to the compiled engine, whose numerics it shares.
-    ("bcg_fa_compile", "compile_fa"),
+    ("bcg_fa_compile", "compile_fa"), ("bcg_triton_compile", "compile_triton"),
 ])
 def test_bcg_matches_eager(engines, bcg_name, ref_name):
     ref = _ok(engines(ref_name), ref_name)
