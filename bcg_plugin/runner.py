@@ -81,6 +81,7 @@ class PrefillGraphRunner:
         self._pads: dict[str, float | int] = {}
         self._output: torch.Tensor | None = None
         self._capture_failed = False
+        self._own_stream: torch.cuda.Stream | None = None
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -203,7 +204,17 @@ class PrefillGraphRunner:
         self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
         self._pads = {name: spec.pad for name, spec in specs.items()}
         self._pool = GraphPool()
-        return self._hook.bcg_capture_stream() or torch.cuda.Stream(device=self.device)
+        return self._hook.bcg_capture_stream() or self._fallback_stream()
+
+    def _fallback_stream(self) -> torch.cuda.Stream:
+        """The runner's own capture stream, for hosts that name none: one for the runner's life.
+
+        Every stream that runs a matmul pins its own cuBLAS workspace (32 MiB on Hopper) until the
+        process ends, so a stream per capture would leave one behind for each estimate or recapture.
+        """
+        if self._own_stream is None:
+            self._own_stream = torch.cuda.Stream(device=self.device)
+        return self._own_stream
 
     def _static_buffer(self, name: str, spec: StaticInput, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the host's buffer for input ``name``, or a new padded one."""

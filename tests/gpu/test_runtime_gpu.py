@@ -250,8 +250,31 @@ def test_graph_memory_of_full_ladder_vs_largest_bucket(model):
     assert n_full == 40 and ratio <= 1.5
 
 
+class _HostStreamAdapter(ToyAdapter):
+    """A host that names its capture stream, as both engines do (their graph-capture stream)."""
+
+    def __init__(self, model: ToyDecoder, stream: torch.cuda.Stream):
+        super().__init__(model)
+        self.stream = stream
+
+    @hookimpl
+    def bcg_capture_stream(self):
+        return self.stream
+
+
+def _used_stream(model) -> torch.cuda.Stream:
+    """A stream that has run a matmul, so its cuBLAS workspace is already held (a used host stream)."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        w = model.layers[0]["o"]
+        w @ w.T
+    stream.synchronize()
+    return stream
+
+
 def test_graph_memory_estimate_leaves_nothing_behind_and_is_near_the_capture(model):
-    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), BcgConfig(enable=True), chunk_size=TOP)
+    adapter = _HostStreamAdapter(model, _used_stream(model))
+    runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True), chunk_size=TOP)
     free_before = free_device_bytes(runner.device)
     estimate = runner.estimate_graph_bytes()
     left_behind = free_before - free_device_bytes(runner.device)
@@ -263,6 +286,31 @@ def test_graph_memory_estimate_leaves_nothing_behind_and_is_near_the_capture(mod
         assert runner.captured and len(runner.buckets) == 40
         assert left_behind <= 2**20, left_behind  # the sampled buckets and their pool are gone
         assert abs(estimate - actual) <= ESTIMATE_REL_TOL * actual, (estimate, actual)
+    finally:
+        runner.close()
+        torch.cuda.empty_cache()
+
+
+def test_recapture_on_the_runners_own_stream_pins_no_memory(model):
+    # Control: the measurement sees what a new stream's first matmul pins (its cuBLAS workspace).
+    free_before = free_device_bytes(torch.device("cuda", torch.cuda.current_device()))
+    stream = _used_stream(model)
+    pinned_by_new_stream = free_before - free_device_bytes(torch.device("cuda", torch.cuda.current_device()))
+    assert pinned_by_new_stream > 2**20, pinned_by_new_stream
+    del stream
+
+    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), BcgConfig(enable=True, sizes=(256, TOP)),
+                                chunk_size=TOP)
+    try:
+        runner.capture(progress=False)
+        runner.close()
+        free_between = free_device_bytes(runner.device)
+        runner.capture(progress=False)
+        runner.close()
+        pinned = free_between - free_device_bytes(runner.device)
+        print(f"\na new stream's matmul pins {pinned_by_new_stream / 2**20:.1f} MiB; a recapture pins "
+              f"{pinned / 2**20:.1f} MiB")
+        assert pinned <= 2**20, pinned  # the second capture reuses the first one's stream
     finally:
         runner.close()
         torch.cuda.empty_cache()
