@@ -272,18 +272,23 @@ def _used_stream(model) -> torch.cuda.Stream:
     return stream
 
 
-def _warm_process(model, adapter: ToyAdapter, stream: torch.cuda.Stream) -> None:
-    """One eager forward on ``stream``: kernels load on first use and hold device memory for the
-    process's life, as they do in an engine, which has run its profile forward before it estimates."""
+def _warm_process(model, adapter: ToyAdapter) -> None:
+    """One eager forward and one throwaway capture on the adapter's stream. Kernels and the graph
+    machinery hold device memory from their first use for the process's life; an engine has run
+    its profile forward before it estimates, and vLLM has just captured and released its own
+    sampled graphs."""
     seqs, ids, batch = make_case(model, adapter, random.Random(0), TOP)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(adapter.stream):
         model.forward_eager(ids, model.positions(seqs), batch.payload)
-    stream.synchronize()
+    adapter.stream.synchronize()
+    throwaway = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=(256,)), chunk_size=TOP)
+    throwaway.capture(progress=False)
+    throwaway.close()
 
 
 def test_graph_memory_estimate_leaves_nothing_behind_and_is_near_the_capture(model):
     adapter = _HostStreamAdapter(model, _used_stream(model))
-    _warm_process(model, adapter, adapter.stream)
+    _warm_process(model, adapter)
     runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True), chunk_size=TOP)
     free_before = free_device_bytes(runner.device)
     estimate = runner.estimate_graph_bytes()
