@@ -7,6 +7,7 @@ import torch
 
 from bcg_plugin import BcgConfig, BcgStateError, PrefillGraphRunner, plugin_manager
 from bcg_plugin import runner as runner_mod
+from bcg_plugin.hookspecs import StaticInput, hookimpl
 
 SIZES = (16, 32, 64, 128)
 TOP_COST, FURTHER_COST = 1000, 10  # bytes the fake device loses to the top bucket and to each further one
@@ -89,3 +90,32 @@ def test_an_inactive_runner_estimates_nothing(monkeypatch):
     runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=False), chunk_size=128, device="cpu")
     monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: pytest.fail("measured an inactive runner"))
     assert runner.estimate_graph_bytes() == 0
+
+
+class _NoStreamHost:
+    """A host that declares its inputs but names no capture stream (``bcg_capture_stream`` unimplemented)."""
+
+    @hookimpl
+    def bcg_static_inputs(self):
+        return {"positions": StaticInput((), torch.int64, 0)}
+
+
+def test_estimate_and_capture_share_the_runners_one_stream_when_the_host_names_none(monkeypatch):
+    # Each stream pins its own cuBLAS workspace for the process's life: one stream per runner, not per capture.
+    made, seen = [], []
+
+    class _Stream:
+        def __init__(self, device=None):
+            made.append(self)
+
+    device = _FakeDevice()
+    runner = PrefillGraphRunner(plugin_manager(_NoStreamHost()), BcgConfig(enable=True, sizes=SIZES),
+                                chunk_size=128, device="cpu")
+    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
+    monkeypatch.setattr(runner_mod, "GraphPool", lambda: type("P", (), {"reserved_bytes": lambda self: 0})())
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    runner._capture_bucket = lambda bucket, stream, warm=True: (seen.append(stream), device.capture(bucket, stream))[1]
+    runner.estimate_graph_bytes()
+    runner.capture(progress=False)
+    assert runner.captured and len(seen) == 2 + len(SIZES)
+    assert len(made) == 1 and all(s is made[0] for s in seen), (len(made), seen)
