@@ -62,11 +62,12 @@ class Patch:
         return owner, name
 
     def original(self, qualname: str | None = None) -> Callable[..., Any]:
+        qualname = qualname or self.qualname
         owner, name = self._owner_and_name(qualname)
         # The raw class attribute, so staticmethod/classmethod wrappers would be seen for what they are.
         fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if fn is None:
-            raise PatchTargetError(f"{self.module}.{qualname or self.qualname}: attribute not found")
+            raise PatchTargetError(f"{self.module}.{qualname}: attribute not found")
         return fn
 
     def verify(self) -> None:

@@ -297,9 +297,10 @@ def test_graph_memory_estimate_leaves_nothing_behind_and_is_near_the_capture(mod
 
 def test_recapture_on_the_runners_own_stream_pins_no_memory(model):
     # Control: the measurement sees what a new stream's first matmul pins (its cuBLAS workspace).
-    free_before = free_device_bytes(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    free_before = free_device_bytes(device)
     stream = _used_stream(model)
-    pinned_by_new_stream = free_before - free_device_bytes(torch.device("cuda", torch.cuda.current_device()))
+    pinned_by_new_stream = free_before - free_device_bytes(device)
     assert pinned_by_new_stream > 2**20, (f"a new stream's matmul pinned {pinned_by_new_stream} bytes: no per-stream "
                                           f"cuBLAS workspace to see here (CUBLAS_WORKSPACE_CONFIG?)")
     del stream
