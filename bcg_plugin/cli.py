@@ -42,8 +42,9 @@ def _bench(argv: list[str]) -> int:
                     help="data-parallel size (SGLang: DP attention, which needs --tp >= --dp; "
                          "vLLM: one process per DP rank, MoE models only)")
     ap.add_argument("--profile", type=int, default=None, metavar="N",
-                    help="after the timed requests, profile one N-token forward per mode with torch.profiler "
-                         "(an N no mode pads, such as 16; vLLM: tp=1 and dp=1 only)")
+                    help="after the timed requests, profile the forward of one N-token request per mode with "
+                         "torch.profiler, at the size the mode runs it (a padded N includes the padding's "
+                         "work; vLLM: tp=1 and dp=1 only)")
     ap.add_argument("--rerun-slow", type=int, default=0, metavar="K",
                     help="run a mode process again, up to K times, when its host-speed probe is flagged slow "
                          "against the fastest process so far; the replaced processes stay in the result file")

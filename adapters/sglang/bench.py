@@ -7,7 +7,7 @@ and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forw
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
 :mod:`bcg_plugin.bench.harness`). Forward times and capture figures come from the bench-only
 patches, installed in the schedulers because this script sets ``BCG_BENCH_RECORD``; so does
-``host_profile`` under ``bcg bench --profile N`` (one extra N-token forward under torch.profiler).
+``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ pools, cached blocks): the rest is held outside it, by the driver's graph object
 KV cache's part of it. What is left beyond the KV cache (weights, graphs, and the activation blocks
 torch's allocator keeps cached after the largest eager forward) is what each mode costs a server at
 the same workload, wherever its engine accounts for it. With
-``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: one extra N-token forward under
-``torch.profiler`` (:mod:`bcg_plugin.bench.profile`).
+``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
+under ``torch.profiler`` (:mod:`bcg_plugin.bench.profile`).
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 

@@ -3,9 +3,9 @@
 Where a mode's host time goes when a forward is launch-bound: how many CUDA runtime calls (graph
 launches, kernel launches, copies) and which torch ops it issues, under ``torch.profiler``. Where
 it is GPU-bound, which kernels take the device time (kernels replayed from CUDA graphs included).
-Every mode of a run profiles one forward of the same size the same way, so they compare with each
-other; the profiler's overhead makes its host time no match for the timed ones. The profiled
-forward comes from one extra request after the timed ones, so no median includes it.
+Every mode of a run profiles the forward of the same N-token request the same way, so they compare
+with each other; the profiler's overhead makes its host time no match for the timed ones. The
+profiled forward comes from one extra request after the timed ones, so no median includes it.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ CUDA_RUNTIME_PREFIX = "cuda"  # the runtime API calls (cudaGraphLaunch, cudaLaun
 
 
 class ForwardProfiler:
-    """Profiles the first forward of exactly ``tokens`` tokens once ``armed()`` is true; holds its summary.
+    """Profiles the first forward of at least ``tokens`` rows once ``armed()`` is true; holds its summary.
 
-    The engines' bench timers call :meth:`around` for every forward; other forwards pass straight
-    through. Exact size, because every mode must profile the same forward: choose an N that no mode
-    pads (16, say). The bench arms the profiler for one extra request after the timed ones.
+    The engines' bench timers call :meth:`around` for every forward with the rows it runs; other
+    forwards pass straight through. The bench arms the profiler for one extra request of ``tokens``
+    prompt tokens after the timed ones, so the forward profiled is that request's prefill at the size
+    the mode runs it: N rows eagerly, or the bucket N pads to (``forward_rows`` in the summary), whose
+    padded-row work is then part of the profile.
     """
 
     def __init__(self, tokens: int, armed: Callable[[], bool]) -> None:
@@ -49,7 +51,7 @@ class ForwardProfiler:
 
     @contextlib.contextmanager
     def around(self, num_tokens: int) -> Iterator[None]:
-        if self.summary is not None or num_tokens != self.tokens or not self.armed():
+        if self.summary is not None or num_tokens < self.tokens or not self.armed():
             yield
             return
         import torch
@@ -63,10 +65,11 @@ class ForwardProfiler:
             host_ms = (time.perf_counter() - start) * 1e3
             if torch.cuda.is_available():  # the forward's kernels end inside the profile
                 torch.cuda.synchronize()
-        self.summary = summarize(prof.key_averages(), host_ms, [a.name for a in activities], self.tokens)
+        self.summary = summarize(prof.key_averages(), host_ms, [a.name for a in activities], self.tokens,
+                                 forward_rows=num_tokens)
 
 
-def summarize(averages, host_ms: float, activities: list[str], tokens: int) -> dict:
+def summarize(averages, host_ms: float, activities: list[str], tokens: int, forward_rows: int | None = None) -> dict:
     """The profile as plain data: counts of runtime calls and torch ops, the costliest ops."""
     events = [(e.key, int(e.count), float(e.self_cpu_time_total)) for e in averages]
     runtime = {k: c for k, c, _ in events if k.startswith(CUDA_RUNTIME_PREFIX)}
@@ -77,6 +80,7 @@ def summarize(averages, host_ms: float, activities: list[str], tokens: int) -> d
                if getattr(getattr(e, "device_type", None), "name", None) == "CUDA"]
     return {
         "tokens": tokens,
+        "forward_rows": tokens if forward_rows is None else forward_rows,
         "host_ms": host_ms,
         "activities": activities,
         "cuda_runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1])),
@@ -96,12 +100,15 @@ def markdown(modes: dict) -> list[str]:
     tokens = next(iter(profiled.values()))["tokens"]
     calls = sorted({k for p in profiled.values() for k in p["cuda_runtime_calls"]},
                    key=lambda k: (-max(p["cuda_runtime_calls"].get(k, 0) for p in profiled.values()), k))[:4]
-    lines = [f"## Host profile of one {tokens}-token forward (torch.profiler, its overhead included)", "",
-             "| mode | host ms | torch ops | " + " | ".join(calls) + (" | " if calls else "") + "costliest op (self CPU µs) |",
-             "|---|---|---|" + "---|" * len(calls) + "---|"]
+    lines = [f"## Host profile of the forward of one {tokens}-token request (torch.profiler, its overhead included)", "",
+             "Rows: the forward's rows as the engine's forward timer saw them (vLLM's: the bucket N pads to).", "",
+             "| mode | rows | host ms | torch ops | " + " | ".join(calls) + (" | " if calls else "")
+             + "costliest op (self CPU µs) |",
+             "|---|---|---|---|" + "---|" * len(calls) + "---|"]
     for m, p in profiled.items():
         top = p["top_self_cpu_us"][0] if p["top_self_cpu_us"] else None
-        cells = [f"{p['host_ms']:.2f}", str(p["aten_ops"]), *(str(p["cuda_runtime_calls"].get(k, 0)) for k in calls),
+        cells = [str(p.get("forward_rows", tokens)), f"{p['host_ms']:.2f}", str(p["aten_ops"]),
+                 *(str(p["cuda_runtime_calls"].get(k, 0)) for k in calls),
                  f"{top['name']} x{top['count']}: {top['self_cpu_us']:.0f}" if top else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     kernels = {m: p for m, p in profiled.items() if p.get("top_device_us")}
@@ -112,7 +119,7 @@ def markdown(modes: dict) -> list[str]:
                 f"{_short(k['name'])} x{k['count']}: {k['device_us']:.0f}" for k in p["top_device_us"][:5]))
     skipped = [m for m, d in modes.items() if "e2e_ms" in d and not d.get("host_profile")]
     if skipped:
-        lines += ["", f"Not profiled (no forward of exactly {tokens} tokens in this process): {', '.join(skipped)}."]
+        lines += ["", f"Not profiled (no forward of {tokens} or more rows in this process): {', '.join(skipped)}."]
     return lines + [""]
 
 

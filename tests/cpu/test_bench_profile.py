@@ -1,4 +1,5 @@
-"""``bcg bench --profile N``: one armed forward of exactly N tokens is profiled, once, and reported."""
+"""``bcg bench --profile N``: the armed N-token request's forward is profiled, once, at the rows the mode
+runs it, and reported."""
 
 from __future__ import annotations
 
@@ -20,14 +21,24 @@ def test_only_an_armed_forward_of_exactly_n_tokens_is_profiled_and_only_once():
     forward(profiler, 16)
     assert profiler.summary is None  # not armed: the timed requests
     armed[0] = True
-    forward(profiler, 17)
-    assert profiler.summary is None  # another size
+    forward(profiler, 15)
+    assert profiler.summary is None  # fewer rows than the request: not its prefill
     forward(profiler, 16)
     summary = profiler.summary
-    assert summary["tokens"] == 16 and summary["host_ms"] > 0 and summary["aten_ops"] >= 3
+    assert summary["tokens"] == 16 and summary["forward_rows"] == 16
+    assert summary["host_ms"] > 0 and summary["aten_ops"] >= 3
     assert {"aten::ones", "aten::mul", "aten::sum"} <= {op["name"] for op in summary["top_self_cpu_us"]}
     forward(profiler, 16)
     assert profiler.summary is summary
+
+
+def test_a_request_that_pads_to_a_bucket_is_profiled_at_the_bucket():
+    # vLLM's forward timer sees the padded rows: a 17-token request replays the 32-token bucket.
+    profiler = ForwardProfiler(17, armed=lambda: True)
+    forward(profiler, 32)
+    assert profiler.summary["tokens"] == 17 and profiler.summary["forward_rows"] == 32
+    table = "\n".join(profile.markdown({"bcg": {"e2e_ms": {"17": 1.0}, "host_profile": profiler.summary}}))
+    assert "forward of one 17-token request" in table and "| bcg | 32 | " in table
 
 
 def _event(key, count, cpu_us, device_us=0.0, device="CPU"):
@@ -69,9 +80,9 @@ def test_the_report_compares_the_profiled_modes_and_names_the_others():
              "bcg": {"e2e_ms": {"16": 1.0}, "host_profile": summary(29, 61)},
              "eager": {"e2e_ms": {"16": 1.0}, "host_profile": None}}
     table = "\n".join(profile.markdown(modes))
-    assert "| mode | host ms | torch ops | cudaLaunchKernel | cudaGraphLaunch | costliest op" in table
-    assert "| bcg | 2.50 | 40 | 61 | 29 | aten::copy_ x3: 21 |" in table
-    assert "Not profiled (no forward of exactly 16 tokens in this process): eager." in table
+    assert "| mode | rows | host ms | torch ops | cudaLaunchKernel | cudaGraphLaunch | costliest op" in table
+    assert "| bcg | 16 | 2.50 | 40 | 61 | 29 | aten::copy_ x3: 21 |" in table
+    assert "Not profiled (no forward of 16 or more rows in this process): eager." in table
     assert profile.markdown({"bcg": {"e2e_ms": {"16": 1.0}}}) == []
 
 
@@ -80,7 +91,7 @@ def test_runtime_calls_with_equal_counts_are_columns_in_name_order():
              "cudaLaunchKernel": 28}
     modes = {"bcg": {"e2e_ms": {"16": 1.0}, "host_profile": {
         "tokens": 16, "host_ms": 2.5, "aten_ops": 40, "cuda_runtime_calls": calls, "top_self_cpu_us": []}}}
-    header = "| mode | host ms | torch ops | cudaGraphLaunch | cudaStreamIsCapturing | cudaFuncSetAttribute | " \
+    header = "| mode | rows | host ms | torch ops | cudaGraphLaunch | cudaStreamIsCapturing | cudaFuncSetAttribute | " \
              "cudaLaunchKernel | costliest op"
     assert header in "\n".join(profile.markdown(modes))
 
