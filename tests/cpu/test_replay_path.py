@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bcg_plugin import BcgConfig, BcgConfigError, HostBatch, PrefillGraphRunner, StaticInput, live, plugin_manager
 from bcg_plugin.breaks import _capture_holds, eager_break
 from bcg_plugin.capture import SegmentedGraph
+from bcg_plugin.padding import PaddedRows
 
 # -- eager breaks: capture-only work stays out of replay --------------------------------------------
 
@@ -124,6 +125,7 @@ def _runner(host_ids, top=16):
     specs = {"input_ids": StaticInput((), torch.int32, 0, host_ids), "positions": StaticInput((), torch.int64, 0)}
     runner._static = {name: runner._static_buffer(name, spec, top) for name, spec in specs.items()}
     runner._pads = {name: spec.pad for name, spec in specs.items()}
+    runner._padded = PaddedRows(runner.buckets, runner.device)
     return runner
 
 
