@@ -1,7 +1,6 @@
 """Padded rows scrubbed inside the graphs (``bcg_plugin.padding``), their host side on CPU: the flags a
 replay sets, the scrub a capture records after each break, and the rows the breaks still zero."""
 
-import breakable_cuda_graphs
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,25 +52,7 @@ def test_the_recorded_scrub_zeroes_flagged_rows_even_of_nan_and_refuses_another_
         rows.scrub(64).apply(torch.zeros(60, 4), "output")
 
 
-class _FakeCapture:
-    """Stands in for an open ``breakable_graph``: records the steps a break asks it to replay."""
-
-    _barrier_fn = None
-
-    def __init__(self):
-        self.recorded = []
-
-    def _end_segment(self):
-        pass
-
-    def _begin_segment(self):
-        pass
-
-    def _insert_eager(self, fn, args, kwargs):
-        self.recorded.append((fn, args, kwargs))
-
-
-def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroes_only_rows_below_it():
+def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroes_only_rows_below_it(fake_capture):
     @eager_break(outputs=("out",))
     def attention(x, out):  # like flash attention, writes the real rows only
         n = live.current().num_tokens
@@ -79,15 +60,12 @@ def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroe
 
     rows = PaddedRows(BUCKETS, torch.device("cpu"))
     x, out = torch.full((64, 4), 7.0), torch.full((64, 4), float("nan"))
-    capture = _FakeCapture()
-    ctx_token = breakable_cuda_graphs._current_breakable_graph_ctx.set(capture)
     scrub_token = _capture_scrub.set(rows.scrub(64))
     try:
-        with live.bound(live.LiveBatch(64, 64)), _Ops() as ops:
+        with fake_capture() as capture, live.bound(live.LiveBatch(64, 64)), _Ops() as ops:
             attention(x, out)
     finally:
         _capture_scrub.reset(scrub_token)
-        breakable_cuda_graphs._current_breakable_graph_ctx.reset(ctx_token)
     kernels = [name for name in ops.names if name not in ("slice", "view")]
     assert kernels == ["copy_", "masked_fill_"]  # the break, then the next segment's scrub
     [(replay, args, kwargs)] = capture.recorded
