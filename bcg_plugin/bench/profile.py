@@ -100,7 +100,8 @@ def markdown(modes: dict) -> list[str]:
     tokens = next(iter(profiled.values()))["tokens"]
     calls = sorted({k for p in profiled.values() for k in p["cuda_runtime_calls"]},
                    key=lambda k: (-max(p["cuda_runtime_calls"].get(k, 0) for p in profiled.values()), k))[:4]
-    lines = [f"## Host profile of the forward of one {tokens}-token request (torch.profiler, its overhead included)", "",
+    title = f"## Host profile of the forward of one {tokens}-token request (torch.profiler, its overhead included)"
+    lines = [title, "",
              "Rows: the forward's rows as the engine's forward timer saw them (vLLM's: the bucket N pads to).", "",
              "| mode | rows | host ms | torch ops | " + " | ".join(calls) + (" | " if calls else "")
              + "costliest op (self CPU µs) |",
