@@ -7,7 +7,8 @@ return values (break outputs must be out-parameters: pitfall 1) and raises on un
 (pitfall 7). This module adds what a prefill runtime needs on top:
 
 * padded rows of every declared output are zeroed after each replayed call, so garbage never flows
-  into the next segment (pitfall 6);
+  into the next segment (pitfall 6): inside a bucket's graph by the segment that follows the break
+  (:mod:`bcg_plugin.padding`), and by the break itself below the rows that segment covers;
 * break arguments that live outside the runtime's pool are held strongly by the bucket, because
   the primitive replays with non-owning aliases (pitfall 2). Arguments inside the pool were
   written by an earlier segment of the same bucket, which replays right before the break.
@@ -25,6 +26,7 @@ import torch
 from breakable_cuda_graphs import no_graph
 
 from bcg_plugin import live
+from bcg_plugin.padding import RowScrub
 
 
 class BreakArgumentHolds:
@@ -50,15 +52,16 @@ class BreakArgumentHolds:
 _capture_holds: contextvars.ContextVar[BreakArgumentHolds | None] = contextvars.ContextVar(
     "bcg_capture_holds", default=None
 )
+_capture_scrub: contextvars.ContextVar[RowScrub | None] = contextvars.ContextVar("bcg_capture_scrub", default=None)
 
 
 def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] = ()) -> Callable[..., Any]:
     """Mark ``fn`` as an eager break; outside a capture it is a plain call.
 
     Args:
-        outputs: names of ``fn``'s out-parameters whose first dimension is the token row; rows
-            at and past the live batch's ``num_tokens`` are zeroed after every call inside a
-            padded bucket.
+        outputs: names of ``fn``'s out-parameters whose first dimension is the token row, one row
+            per token of the bucket; rows at and past the live batch's ``num_tokens`` are zeroed
+            after every call inside a padded bucket, before the next segment reads them.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -72,10 +75,12 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
         def step(*args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
             batch = live.get()
-            if batch is not None and batch.num_tokens < batch.bucket:
-                for name, pos in positions:
-                    out = kwargs[name] if name in kwargs else args[pos]
-                    out[batch.num_tokens :].zero_()
+            if batch is not None:
+                n, graph_rows = batch.num_tokens, batch.graph_scrub_start  # the graph zeroes rows from there
+                if n < (batch.bucket if graph_rows is None else graph_rows):
+                    for name, pos in positions:
+                        out = kwargs[name] if name in kwargs else args[pos]
+                        out[n:graph_rows].zero_()
             return result
 
         def capture_step(*args: Any, **kwargs: Any) -> Any:
@@ -86,6 +91,19 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
                 holds.keep(args, kwargs)
             return result
 
-        return no_graph(step, capture_stub=capture_step)
+        broken = no_graph(step, capture_stub=capture_step)
+        if not positions:
+            return broken
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = broken(*args, **kwargs)
+            scrub = _capture_scrub.get()
+            if scrub is not None:  # under a bucket's capture: the segment after the break begins here
+                for name, pos in positions:
+                    scrub.apply(kwargs[name] if name in kwargs else args[pos], name)
+            return result
+
+        return call
 
     return decorate(fn) if fn is not None else decorate

@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import torch
 from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment, breakable_graph
 
-from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds
+from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, _capture_scrub
+from bcg_plugin.padding import RowScrub
 from bcg_plugin.pool import GraphPool
 
 T = TypeVar("T")
@@ -91,15 +92,19 @@ class SegmentedGraph:
 
 
 def capture_segments(
-    fn: Callable[[], T], *, pool: GraphPool, stream: torch.cuda.Stream
+    fn: Callable[[], T], *, pool: GraphPool, stream: torch.cuda.Stream, scrub: RowScrub | None = None
 ) -> tuple[SegmentedGraph, T]:
-    """Capture ``fn()`` into segments on ``stream`` in ``pool``; return the graph and ``fn``'s result."""
+    """Capture ``fn()`` into segments on ``stream`` in ``pool``; return the graph and ``fn``'s result.
+
+    ``scrub``: the padded rows the segment after each break zeroes in the breaks' outputs.
+    """
     holds = BreakArgumentHolds(pool.contains)
     graph = BreakableCUDAGraph(pool=pool.handle)
     outer_stream = torch.cuda.current_stream()
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collected graph calling reset() mid-capture invalidates it (pitfall 9)
     token = _capture_holds.set(holds)
+    scrub_token = _capture_scrub.set(scrub)
     completed = False
     try:
         with torch.cuda.stream(stream), _BucketCapture(graph, stream=stream):
@@ -107,6 +112,7 @@ def capture_segments(
         completed = True
         return SegmentedGraph(graph, holds), result
     finally:
+        _capture_scrub.reset(scrub_token)
         _capture_holds.reset(token)
         if not completed:
             graph.reset()

@@ -24,11 +24,15 @@ class LiveBatch:
             attend to nor leave as garbage for the next segment.
         bucket: padded row count the graph was captured for.
         payload: the adapter's per-batch state (attention metadata, host forward context ...).
+        graph_scrub_start: the first row the bucket's graph zeroes itself after each break when
+            padded (:mod:`bcg_plugin.padding`); breaks zero the padded rows below it. ``None``:
+            the graph zeroes none, the breaks every padded row.
     """
 
     num_tokens: int
     bucket: int
     payload: Any = None
+    graph_scrub_start: int | None = None
 
     @property
     def padded(self) -> bool:

@@ -19,6 +19,7 @@ from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgStateError
 from bcg_plugin.hookspecs import HostBatch, StaticInput
 from bcg_plugin.ladder import choose_bucket, resolve_buckets
+from bcg_plugin.padding import PaddedRows
 from bcg_plugin.pool import GraphPool, free_device_bytes
 from bcg_plugin.stats import Fallback, RuntimeStats
 
@@ -51,10 +52,11 @@ class PrefillGraphRunner:
     """Engine-agnostic prefill/extend graphs keyed by padded token count.
 
     Holds one :class:`~bcg_plugin.capture.SegmentedGraph` per bucket, the static per-row input
-    buffers (its own, or views of the host's persistent ones where the adapter declares them) and
-    one shared output buffer (all sized for the top bucket and allocated outside capture, so no
-    bucket's inputs or outputs can be aliased by a later allocation: pitfalls 2 and 3), and the one
-    pool and stream all buckets capture into.
+    buffers (its own, or views of the host's persistent ones where the adapter declares them), the
+    padded-row flags the graphs read (:class:`~bcg_plugin.padding.PaddedRows`) and one shared
+    output buffer (all sized for the top bucket and allocated outside capture, so no bucket's inputs
+    or outputs can be aliased by a later allocation: pitfalls 2 and 3), and the one pool and stream
+    all buckets capture into.
 
     One replay is a straight line: the adapter picks the bucket (:meth:`bucket_for`), the core
     lands the inputs and replays segments and breaks with the live batch bound
@@ -79,6 +81,7 @@ class PrefillGraphRunner:
         self._pool: GraphPool | None = None
         self._static: dict[str, torch.Tensor] = {}
         self._pads: dict[str, float | int] = {}
+        self._padded: PaddedRows | None = None
         self._output: torch.Tensor | None = None
         self._capture_failed = False
         self._own_stream: torch.cuda.Stream | None = None
@@ -196,13 +199,14 @@ class PrefillGraphRunner:
         self._capture_buckets(buckets, stream, group, progress, after_each)
 
     def _prepare_capture(self) -> torch.cuda.Stream:
-        """Static input buffers at the top bucket's size, the graph pool, the capture stream."""
+        """Static input buffers at the top bucket's size, the padded-row flags, the graph pool, the capture stream."""
         specs: dict[str, StaticInput] = self._hook.bcg_static_inputs()
         if not specs:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
         top = self.buckets[-1]
         self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
         self._pads = {name: spec.pad for name, spec in specs.items()}
+        self._padded = PaddedRows(self.buckets, self.device)
         self._pool = GraphPool()
         return self._hook.bcg_capture_stream() or self._fallback_stream()
 
@@ -271,7 +275,8 @@ class PrefillGraphRunner:
                 raise BcgStateError("the first bucket must be captured after a warm-up (it sizes the output)")
             out = self._output[:bucket]
             graph, _ = capture_segments(
-                lambda: out.copy_(forward(inputs=views, payload=batch.payload)), pool=self._pool, stream=stream
+                lambda: out.copy_(forward(inputs=views, payload=batch.payload)), pool=self._pool, stream=stream,
+                scrub=self._padded.scrub(bucket),
             )
         return graph
 
@@ -337,7 +342,7 @@ class PrefillGraphRunner:
             if embedded:
                 batch.inputs = {**batch.inputs, **embedded}
         self._land(batch, bucket)
-        with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload)):
+        with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload, self._padded.start(bucket))):
             graph.replay()
         requested = batch.num_tokens if batch.requested_tokens is None else batch.requested_tokens
         self.stats.record_replay(bucket, requested)
@@ -355,6 +360,7 @@ class PrefillGraphRunner:
                 buf[:n].copy_(src[:n], non_blocking=True)
             if n < bucket:
                 buf[n:bucket].fill_(self._pads[name])
+        self._padded.flag(bucket, n)
 
     # -- teardown ------------------------------------------------------------------------------
 
@@ -369,5 +375,6 @@ class PrefillGraphRunner:
             graph.release()
         self._graphs.clear()
         self._static.clear()
+        self._padded = None
         self._output = None
         self._pool = None

@@ -1,3 +1,4 @@
+import contextlib
 import importlib.util
 import os
 import re
@@ -72,3 +73,39 @@ class _FakeCudaEvent:
 def fake_cuda_events(monkeypatch):
     """The benchmarks' forward timers run on a CPU: ``torch.cuda.Event`` is a no-op for the test."""
     monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+
+
+class _FakeBreakableCapture:
+    """Stands in for an open ``breakable_graph``: records the steps eager breaks ask it to replay."""
+
+    _barrier_fn = None
+
+    def __init__(self) -> None:
+        self.recorded = []
+
+    def _end_segment(self) -> None:
+        pass
+
+    def _begin_segment(self) -> None:
+        pass
+
+    def _insert_eager(self, fn, args, kwargs) -> None:
+        self.recorded.append((fn, args, kwargs))
+
+
+@pytest.fixture
+def fake_capture():
+    """``with fake_capture() as capture:`` breaks called inside run as under a capture (on a CPU);
+    ``capture.recorded`` holds the (step, args, kwargs) each one left for replay."""
+    import breakable_cuda_graphs
+
+    @contextlib.contextmanager
+    def open_capture():
+        capture = _FakeBreakableCapture()
+        token = breakable_cuda_graphs._current_breakable_graph_ctx.set(capture)
+        try:
+            yield capture
+        finally:
+            breakable_cuda_graphs._current_breakable_graph_ctx.reset(token)
+
+    return open_capture

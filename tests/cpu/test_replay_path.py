@@ -1,7 +1,6 @@
 """The replay path's host side on CPU: breaks recorded for replay, the flat segment walk, inputs landed
 in place (``torch.cuda`` graphs replaced by recording fakes)."""
 
-import breakable_cuda_graphs
 import pytest
 import torch
 from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment
@@ -10,26 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bcg_plugin import BcgConfig, BcgConfigError, HostBatch, PrefillGraphRunner, StaticInput, live, plugin_manager
 from bcg_plugin.breaks import _capture_holds, eager_break
 from bcg_plugin.capture import SegmentedGraph
+from bcg_plugin.padding import PaddedRows
 
 # -- eager breaks: capture-only work stays out of replay --------------------------------------------
-
-
-class _FakeCapture:
-    """Stands in for an open ``breakable_graph``: records the steps a break asks it to replay."""
-
-    _barrier_fn = None
-
-    def __init__(self):
-        self.recorded = []
-
-    def _end_segment(self):
-        pass
-
-    def _begin_segment(self):
-        pass
-
-    def _insert_eager(self, fn, args, kwargs):
-        self.recorded.append((fn, args, kwargs))
 
 
 class _RecordingHolds:
@@ -40,7 +22,7 @@ class _RecordingHolds:
         self.kept.append((args, kwargs))
 
 
-def test_a_break_keeps_its_arguments_at_capture_and_only_runs_and_scrubs_at_replay():
+def test_a_break_keeps_its_arguments_at_capture_and_only_runs_and_scrubs_at_replay(fake_capture):
     calls = []
 
     @eager_break(outputs=("out",))
@@ -49,15 +31,13 @@ def test_a_break_keeps_its_arguments_at_capture_and_only_runs_and_scrubs_at_repl
         out.fill_(1.0)
 
     out = torch.zeros(8)
-    capture, holds = _FakeCapture(), _RecordingHolds()
-    ctx_token = breakable_cuda_graphs._current_breakable_graph_ctx.set(capture)
+    holds = _RecordingHolds()
     holds_token = _capture_holds.set(holds)
     try:
-        with live.bound(live.LiveBatch(8, 8)):
+        with fake_capture() as capture, live.bound(live.LiveBatch(8, 8)):
             attention("captured", out)
     finally:
         _capture_holds.reset(holds_token)
-        breakable_cuda_graphs._current_breakable_graph_ctx.reset(ctx_token)
     assert calls == ["captured"] and len(holds.kept) == 1
     [(replay, args, kwargs)] = capture.recorded
 
@@ -124,6 +104,7 @@ def _runner(host_ids, top=16):
     specs = {"input_ids": StaticInput((), torch.int32, 0, host_ids), "positions": StaticInput((), torch.int64, 0)}
     runner._static = {name: runner._static_buffer(name, spec, top) for name, spec in specs.items()}
     runner._pads = {name: spec.pad for name, spec in specs.items()}
+    runner._padded = PaddedRows(runner.buckets, runner.device)
     return runner
 
 

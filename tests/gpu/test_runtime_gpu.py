@@ -351,3 +351,57 @@ def test_unjoined_side_stream_raises_a_clear_error(model):
         runner.capture(progress=False)
     assert "side stream was not joined" in str(info.value.__cause__)
     assert not torch.cuda.is_current_stream_capturing() and live.get() is None
+
+
+class _NanRowsAdapter(ToyAdapter):
+    """A body whose one break writes only the real rows of an output that every forward first fills
+    with NaN, as attention kernels leave a pool block's padded rows as they found them."""
+
+    def __init__(self, model: ToyDecoder, *, declared: bool):
+        super().__init__(model)
+
+        @eager_break(outputs=("out",) if declared else ())
+        def real_rows(x, out):
+            n = live.current().num_tokens
+            out[:n].copy_(x[:n] * 2)
+
+        self._break = real_rows
+
+    @hookimpl
+    def bcg_body_forward(self, inputs, payload):
+        x = inputs["inputs_embeds"]
+        out = torch.full_like(x, float("nan"))
+        self._break(x, out)
+        return out + 1
+
+
+def _padded_rows_after_replays(model, *, declared: bool) -> list[tuple[int, int, bool, bool]]:
+    """Per replay (tokens, bucket): whether the real rows are the break's and the padded rows zeros
+    (read from the runner's whole-bucket output, padded rows included)."""
+    adapter = _NanRowsAdapter(model, declared=declared)
+    runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=(32, 64)), chunk_size=TOP)
+    runner.capture(progress=False)
+    try:
+        seen = []
+        # In the 64-token bucket the graph scrubs rows 32-63: padding inside them, an unpadded replay
+        # after a padded one (stale flags would zero real rows), and 5 tokens, whose rows 5-31 the break zeroes.
+        for n, bucket in [(40, 64), (64, 64), (40, 64), (5, 64), (17, 32), (32, 32), (50, 64)]:
+            ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
+            runner.replay(bucket, adapter.batch(ids, [(FIRST_REAL_SLOT, 0, n)]))
+            rows = runner._output[:bucket]
+            real = torch.equal(rows[:n], model.embed_ids(ids) * 2 + 1)
+            padded = bool(rows[n:].eq(1).all())
+            seen.append((n, bucket, real, padded))
+        return seen
+    finally:
+        runner.close()
+
+
+def test_padded_rows_of_break_outputs_are_zeros_at_every_replay(model):
+    seen = _padded_rows_after_replays(model, declared=True)
+    print(f"\n(tokens, bucket, real rows right, padded rows zeroed): {seen}")
+    assert all(real and padded for *_, real, padded in seen), seen
+    # Negative control: the same break without its output declared leaves the NaN in the padded rows.
+    control = _padded_rows_after_replays(model, declared=False)
+    assert all(real for *_, real, _ in control), control
+    assert [padded for n, bucket, _, padded in control] == [n == bucket for n, bucket, *_ in control], control

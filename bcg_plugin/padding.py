@@ -1,0 +1,70 @@
+"""Padded rows, scrubbed inside the graphs: a device flag per row that every bucket's graph reads.
+
+Eager breaks leave the padded rows of their outputs as whatever the pool's memory held, and the next
+segment must not read garbage there (pitfall 6). A zero kernel per break, launched from the host at
+every padded replay, costs a launch per break; here instead the segment after each break starts by
+zeroing the flagged rows of the break's outputs, replayed with the graph, and a replay updates the
+flags in one launch, or none when its padding is the one the flags already hold.
+
+The graph only covers the rows a bucket pads when the host picks the smallest bucket that fits:
+``[start, bucket)``, ``start`` being the next smaller bucket. A batch with fewer rows still (a
+data-parallel rank padded to its peers' bucket) has its rows ``[num_tokens, start)`` zeroed by the
+breaks themselves, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bcg_plugin.errors import BcgStateError
+
+
+class RowScrub:
+    """One bucket's scrub as its capture records it: zero the flagged rows in ``[start, stop)``."""
+
+    __slots__ = ("start", "stop", "_padded")
+
+    def __init__(self, start: int, stop: int, padded: torch.Tensor) -> None:
+        self.start, self.stop, self._padded = start, stop, padded
+
+    def apply(self, out: torch.Tensor, name: str) -> None:
+        """Captured into the segment after a break: its output ``out``'s padded rows become zeros."""
+        if out.shape[0] != self.stop:
+            raise BcgStateError(
+                f"eager break output {name!r} has {out.shape[0]} rows in the capture of the {self.stop}-token "
+                f"bucket; a declared output must have one row per token of the bucket"
+            )
+        mask = self._padded.view(-1, *([1] * (out.dim() - 1)))
+        out[self.start : self.stop].masked_fill_(mask, 0)  # masked_fill, not a multiply: garbage may be NaN
+
+
+class PaddedRows:
+    """The per-row flags every bucket's graph reads, and the rows each bucket's graph scrubs.
+
+    Buckets' scrubbed ranges ``[start, bucket)`` tile ``[0, top)``, so each bucket owns its part of
+    the flags and remembers the row count it last flagged for.
+    """
+
+    def __init__(self, buckets: list[int], device: torch.device) -> None:
+        top = buckets[-1]
+        self._padded = torch.zeros(top, dtype=torch.bool, device=device)
+        self._rows = torch.arange(top, dtype=torch.int32, device=device)
+        self._start = dict(zip(buckets, [0, *buckets[:-1]]))
+        self._flagged_for = {bucket: bucket for bucket in buckets}  # all zeros: no row padded
+
+    def start(self, bucket: int) -> int:
+        """First row of ``bucket`` that its graph scrubs; the breaks zero padded rows below it."""
+        return self._start[bucket]
+
+    def scrub(self, bucket: int) -> RowScrub:
+        """What ``bucket``'s capture records after each break."""
+        start = self._start[bucket]
+        return RowScrub(start, bucket, self._padded[start:bucket])
+
+    def flag(self, bucket: int, num_tokens: int) -> None:
+        """Flag rows ``num_tokens`` and up of ``bucket``'s range as padding, before its replay."""
+        if self._flagged_for[bucket] == num_tokens:
+            return
+        start = self._start[bucket]
+        torch.ge(self._rows[start:bucket], num_tokens, out=self._padded[start:bucket])
+        self._flagged_for[bucket] = num_tokens

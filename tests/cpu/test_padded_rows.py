@@ -1,0 +1,115 @@
+"""Padded rows scrubbed inside the graphs (``bcg_plugin.padding``), their host side on CPU: the flags a
+replay sets, the scrub a capture records after each break, and the rows the breaks still zero."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, live, plugin_manager
+from bcg_plugin.breaks import _capture_scrub, eager_break
+from bcg_plugin.padding import PaddedRows
+
+BUCKETS = [16, 32, 48, 64]
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replay_flags_the_padded_rows_of_its_buckets_range_once_per_padding():
+    rows = PaddedRows(BUCKETS, torch.device("cpu"))
+    assert [rows.start(b) for b in BUCKETS] == [0, 16, 32, 48]  # the ranges tile [0, top)
+    with _Ops() as ops:
+        rows.flag(64, 50)
+    assert [name for name in ops.names if name != "slice"] == ["ge"]  # one kernel
+    assert rows._padded[48:].tolist() == [False, False] + [True] * 14
+    assert not rows._padded[:48].any()  # other buckets' ranges untouched
+    with _Ops() as ops:
+        rows.flag(64, 50)  # the same padding again: nothing to launch
+    assert ops.names == []
+    rows.flag(64, 64)
+    assert not rows._padded.any()
+    rows.flag(64, 5)  # fewer rows than the range starts at: all of it padded
+    assert rows._padded[48:].all() and not rows._padded[:48].any()
+
+
+def test_the_recorded_scrub_zeroes_flagged_rows_even_of_nan_and_refuses_another_row_count():
+    rows = PaddedRows(BUCKETS, torch.device("cpu"))
+    rows.flag(64, 50)
+    out = torch.full((64, 2, 3), float("nan"))
+    rows.scrub(64).apply(out, "output")
+    assert out[50:].eq(0).all()
+    assert out[:50].isnan().all()  # rows the bucket's graph does not scrub, or not padded
+    with pytest.raises(BcgStateError, match=r"output 'output' has 60 rows in the capture of the 64-token bucket"):
+        rows.scrub(64).apply(torch.zeros(60, 4), "output")
+
+
+def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroes_only_rows_below_it(fake_capture):
+    @eager_break(outputs=("out",))
+    def attention(x, out):  # like flash attention, writes the real rows only
+        n = live.current().num_tokens
+        out[:n].copy_(x[:n])
+
+    rows = PaddedRows(BUCKETS, torch.device("cpu"))
+    x, out = torch.full((64, 4), 7.0), torch.full((64, 4), float("nan"))
+    scrub_token = _capture_scrub.set(rows.scrub(64))
+    try:
+        with fake_capture() as capture, live.bound(live.LiveBatch(64, 64)), _Ops() as ops:
+            attention(x, out)
+    finally:
+        _capture_scrub.reset(scrub_token)
+    kernels = [name for name in ops.names if name not in ("slice", "view")]
+    assert kernels == ["copy_", "masked_fill_"]  # the break, then the next segment's scrub
+    [(replay, args, kwargs)] = capture.recorded
+
+    out.fill_(float("nan"))
+    with live.bound(live.LiveBatch(5, 64, graph_scrub_start=48)):
+        replay(*args, **kwargs)
+    assert out[:5].eq(7).all() and out[5:48].eq(0).all()
+    assert out[48:].isnan().all()  # the graph's rows: the break leaves them to the recorded scrub
+
+    out.fill_(float("nan"))
+    with live.bound(live.LiveBatch(50, 64, graph_scrub_start=48)), _Ops() as ops:
+        replay(*args, **kwargs)
+    assert "zero_" not in ops.names and "fill_" not in ops.names  # padded only within the graph's rows
+
+    out.fill_(float("nan"))
+    with live.bound(live.LiveBatch(5, 64)):  # no rows scrubbed in the graph: the break zeroes every padded row
+        replay(*args, **kwargs)
+    assert out[:5].eq(7).all() and out[5:].eq(0).all()
+
+
+def test_outside_a_bucket_capture_a_break_records_no_scrub():
+    @eager_break(outputs=("out",))
+    def attention(x, out):
+        out.copy_(x)
+
+    x, out = torch.ones(16, 2), torch.zeros(16, 2)
+    with live.bound(live.LiveBatch(16, 16)), _Ops() as ops:  # a warm-up forward: eager, nothing captured
+        attention(x, out)
+    assert ops.names == ["copy_"]
+
+
+def test_a_replay_flags_its_padding_and_binds_the_rows_its_graph_scrubs():
+    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(8, 16)), chunk_size=16, device="cpu")
+    runner._static = {"positions": torch.zeros(16, dtype=torch.int64)}
+    runner._pads = {"positions": 0}
+    runner._padded = PaddedRows(runner.buckets, runner.device)
+    runner._output = torch.zeros(16, 4)
+    seen = []
+    runner._graphs = {16: type("Graph", (), {"replay": lambda self: seen.append(live.get()),
+                                             "release": lambda self: None})()}
+    runner.replay(16, HostBatch(num_tokens=11, inputs={"positions": torch.arange(11)}))
+    assert [(b.num_tokens, b.bucket, b.graph_scrub_start) for b in seen] == [(11, 16, 8)]
+    assert runner._padded._padded.tolist() == [False] * 11 + [True] * 5
+    runner.close()
+    assert runner._padded is None
+
