@@ -182,7 +182,7 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
                                         "max_cudagraph_capture_size": chunk}
     elif mode == "bcg":  # bcg over the plain model (vLLM's compilation off)
-        kwargs["additional_config"] = {"bcg": {"torch_compile": False, **bench_bcg_config()}}
+        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": False}}
     elif mode == "bcg_compile":  # bcg over vLLM's default (-O2) piecewise compilation
         kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": True}}
     return kwargs

@@ -794,10 +794,15 @@ def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
         "enable": True, "warmup": "first_bucket", "max_tokens": 1024}
 
 
-def test_bench_bcg_mode_captures_the_plain_model_and_bcg_compile_the_compiled_one(monkeypatch):
+@pytest.mark.parametrize("env_torch_compile", [None, "1", "0"])
+def test_bench_bcg_mode_captures_the_plain_model_and_bcg_compile_the_compiled_one(monkeypatch, env_torch_compile):
+    """The mode names what is measured: a BCG_TORCH_COMPILE in the environment does not move it."""
     from bcg_adapters.vllm.bench import engine_kwargs
 
-    monkeypatch.delenv("BCG_TORCH_COMPILE", raising=False)
+    if env_torch_compile is None:
+        monkeypatch.delenv("BCG_TORCH_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("BCG_TORCH_COMPILE", env_torch_compile)
     assert engine_kwargs("bcg", "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]["torch_compile"] is False
     assert engine_kwargs("bcg_compile", "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]["torch_compile"] is True
 
