@@ -65,11 +65,10 @@ class ForwardProfiler:
             host_ms = (time.perf_counter() - start) * 1e3
             if torch.cuda.is_available():  # the forward's kernels end inside the profile
                 torch.cuda.synchronize()
-        self.summary = summarize(prof.key_averages(), host_ms, [a.name for a in activities], self.tokens,
-                                 forward_rows=num_tokens)
+        self.summary = summarize(prof.key_averages(), host_ms, [a.name for a in activities], self.tokens, num_tokens)
 
 
-def summarize(averages, host_ms: float, activities: list[str], tokens: int, forward_rows: int | None = None) -> dict:
+def summarize(averages, host_ms: float, activities: list[str], tokens: int, forward_rows: int) -> dict:
     """The profile as plain data: counts of runtime calls and torch ops, the costliest ops."""
     events = [(e.key, int(e.count), float(e.self_cpu_time_total)) for e in averages]
     runtime = {k: c for k, c, _ in events if k.startswith(CUDA_RUNTIME_PREFIX)}
@@ -80,7 +79,7 @@ def summarize(averages, host_ms: float, activities: list[str], tokens: int, forw
                if getattr(getattr(e, "device_type", None), "name", None) == "CUDA"]
     return {
         "tokens": tokens,
-        "forward_rows": tokens if forward_rows is None else forward_rows,
+        "forward_rows": forward_rows,
         "host_ms": host_ms,
         "activities": activities,
         "cuda_runtime_calls": dict(sorted(runtime.items(), key=lambda kv: -kv[1])),

@@ -54,7 +54,7 @@ def test_the_summary_ranks_kernels_by_device_time_without_counting_their_ops_twi
                 _event("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<cute::tuple<int>, "
                        "128> > >(Params)", 2, 0.0, 50.0, "CUDA"),
                 _event("nvjet_sm90_tst_64x8", 2, 0.0, 80.0, "CUDA")]
-    summary = profile.summarize(averages, 1.5, ["CPU", "CUDA"], 1024)
+    summary = profile.summarize(averages, 1.5, ["CPU", "CUDA"], 1024, 1024)
     assert summary["device_us"] == 130.0
     assert [k["name"] for k in summary["top_device_us"]] == [
         "nvjet_sm90_tst_64x8", averages[2].key]
