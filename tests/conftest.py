@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SOAK_ENV = "BCG_SOAK_SECONDS"
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"
@@ -109,3 +110,21 @@ def fake_capture():
             breakable_cuda_graphs._current_breakable_graph_ctx.reset(token)
 
     return open_capture
+
+
+class _RecordedOps(TorchDispatchMode):
+    """Records the aten ops run inside it, by name (``copy_``, ``masked_fill_``, ...), in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def recorded_ops():
+    """``with recorded_ops() as ops:``: ``ops.names`` lists the aten ops run inside the block."""
+    return _RecordedOps

@@ -3,7 +3,6 @@ replay sets, the scrub a capture records after each break, and the rows the brea
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, live, plugin_manager
 from bcg_plugin.breaks import _capture_scrub, eager_break
@@ -12,27 +11,15 @@ from bcg_plugin.padding import PaddedRows
 BUCKETS = [16, 32, 48, 64]
 
 
-class _Ops(TorchDispatchMode):
-    """Records the aten ops run inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
-def test_a_replay_flags_the_padded_rows_of_its_buckets_range_once_per_padding():
+def test_a_replay_flags_the_padded_rows_of_its_buckets_range_once_per_padding(recorded_ops):
     rows = PaddedRows(BUCKETS, torch.device("cpu"))
     assert [rows.start(b) for b in BUCKETS] == [0, 16, 32, 48]  # the ranges tile [0, top)
-    with _Ops() as ops:
+    with recorded_ops() as ops:
         rows.flag(64, 50)
     assert [name for name in ops.names if name != "slice"] == ["ge"]  # one kernel
     assert rows._padded[48:].tolist() == [False, False] + [True] * 14
     assert not rows._padded[:48].any()  # other buckets' ranges untouched
-    with _Ops() as ops:
+    with recorded_ops() as ops:
         rows.flag(64, 50)  # the same padding again: nothing to launch
     assert ops.names == []
     rows.flag(64, 64)
@@ -52,7 +39,8 @@ def test_the_recorded_scrub_zeroes_flagged_rows_even_of_nan_and_refuses_another_
         rows.scrub(64).apply(torch.zeros(60, 4), "output")
 
 
-def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroes_only_rows_below_it(fake_capture):
+def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroes_only_rows_below_it(
+        fake_capture, recorded_ops):
     @eager_break(outputs=("out",))
     def attention(x, out):  # like flash attention, writes the real rows only
         n = live.current().num_tokens
@@ -62,7 +50,7 @@ def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroe
     x, out = torch.full((64, 4), 7.0), torch.full((64, 4), float("nan"))
     scrub_token = _capture_scrub.set(rows.scrub(64))
     try:
-        with fake_capture() as capture, live.bound(live.LiveBatch(64, 64)), _Ops() as ops:
+        with fake_capture() as capture, live.bound(live.LiveBatch(64, 64)), recorded_ops() as ops:
             attention(x, out)
     finally:
         _capture_scrub.reset(scrub_token)
@@ -77,7 +65,7 @@ def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroe
     assert out[48:].isnan().all()  # the graph's rows: the break leaves them to the recorded scrub
 
     out.fill_(float("nan"))
-    with live.bound(live.LiveBatch(50, 64, graph_scrub_start=48)), _Ops() as ops:
+    with live.bound(live.LiveBatch(50, 64, graph_scrub_start=48)), recorded_ops() as ops:
         replay(*args, **kwargs)
     assert "zero_" not in ops.names and "fill_" not in ops.names  # padded only within the graph's rows
 
@@ -87,13 +75,13 @@ def test_under_capture_the_scrub_follows_the_break_and_at_replay_the_break_zeroe
     assert out[:5].eq(7).all() and out[5:].eq(0).all()
 
 
-def test_outside_a_bucket_capture_a_break_records_no_scrub():
+def test_outside_a_bucket_capture_a_break_records_no_scrub(recorded_ops):
     @eager_break(outputs=("out",))
     def attention(x, out):
         out.copy_(x)
 
     x, out = torch.ones(16, 2), torch.zeros(16, 2)
-    with live.bound(live.LiveBatch(16, 16)), _Ops() as ops:  # a warm-up forward: eager, nothing captured
+    with live.bound(live.LiveBatch(16, 16)), recorded_ops() as ops:  # a warm-up forward: eager, nothing captured
         attention(x, out)
     assert ops.names == ["copy_"]
 
