@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -21,12 +24,25 @@ class GraphPool:
     prefill captures re-carve those blocks. Buckets are self-contained graphs replayed one at a
     time, so blocks freed inside one bucket's capture may be reused by the next; whatever must
     outlive a bucket (inputs, outputs, out-of-pool break arguments) is owned elsewhere.
+
+    The runner's own long-lived buffers (the static inputs it allocates, the padded-row flags, the
+    shared output) are allocated in the pool as well, as blocks that stay live: a capture never
+    reuses a live block, and the free rest of their segments serves the captures' activations.
+    Allocated outside, on the capture stream that nothing else allocates on, each would pin a
+    segment of its own: a 4 MiB output holds a 20 MiB segment.
     """
 
     def __init__(self) -> None:
-        self.handle = torch.cuda.graph_pool_handle()
+        self._mempool = torch.cuda.MemPool()
+        self.handle = self._mempool.id
         self._ranges: list[tuple[int, int]] = []
         self._outside: set[int] = set()
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """Allocations of this thread inside the block land in the pool: for buffers that outlive every bucket."""
+        with torch.cuda.use_mem_pool(self._mempool):
+            yield
 
     def segments(self) -> list[dict]:
         return torch.cuda.memory_snapshot(self.handle, include_traces=False)
