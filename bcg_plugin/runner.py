@@ -379,4 +379,6 @@ class PrefillGraphRunner:
         self._static.clear()
         self._padded = None
         self._output = None
+        if self._pool is not None:
+            self._pool.release()
         self._pool = None

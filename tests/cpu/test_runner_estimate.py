@@ -46,6 +46,9 @@ class _FakePool:
     def allocating(self):
         return contextlib.nullcontext()
 
+    def release(self) -> None:
+        pass
+
 
 def _runner(monkeypatch, device):
     runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
