@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+# What torch.cuda.use_mem_pool calls, taking a pool id rather than a MemPool (see GraphPool).
+_begin_routing = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+_end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
+_release = getattr(torch._C, "_cuda_releasePool", None)
+if _end_routing is None or _release is None:  # pragma: no cover - all three come together
+    _begin_routing = None
 
 
 def free_device_bytes(device: torch.device) -> int:
@@ -21,12 +31,49 @@ class GraphPool:
     prefill captures re-carve those blocks. Buckets are self-contained graphs replayed one at a
     time, so blocks freed inside one bucket's capture may be reused by the next; whatever must
     outlive a bucket (inputs, outputs, out-of-pool break arguments) is owned elsewhere.
+
+    The runner's own long-lived buffers (the static inputs it allocates, the padded-row flags, the
+    shared output) are allocated in the pool as well (:meth:`allocating`), as blocks that stay
+    live: a capture never reuses a live block, and the free rest of their segments serves the
+    captures' activations. Allocated outside, on the capture stream that nothing else allocates on,
+    each would pin a segment of its own: a 4 MiB output holds a 20 MiB segment.
+
+    Allocations are routed with the calls ``torch.cuda.use_mem_pool`` makes, not with a
+    ``torch.cuda.MemPool``: a MemPool's destructor empties its pool under an internal assert
+    that no capture is routing allocations anywhere, and torch 2.11 leaves such a routing behind
+    after a capture that fails at ``cudaStreamEndCapture``. Closing a runner after that failure
+    would abort the process instead of falling back to eager. A graph pool is freed the way
+    graphs free theirs: when its last user releases it, by the allocator's next ``empty_cache``.
     """
 
     def __init__(self) -> None:
         self.handle = torch.cuda.graph_pool_handle()
+        self._device = torch.cuda.current_device()
+        self._held = False  # the reference the first allocating() takes, released by release()
         self._ranges: list[tuple[int, int]] = []
         self._outside: set[int] = set()
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """This thread's allocations inside the block land in the pool: for buffers that outlive every
+        bucket. Where torch lacks the routing calls, they land where they would have anyway."""
+        if _begin_routing is None:
+            yield
+            return
+        _begin_routing(self._device, self.handle)  # creates the pool, or takes a reference to it
+        try:
+            yield
+        finally:
+            _end_routing(self._device, self.handle)
+            if self._held:
+                _release(self._device, self.handle)
+            self._held = True
+
+    def release(self) -> None:
+        """Drop the pool's reference that :meth:`allocating` holds; call once its buffers and graphs are gone."""
+        if self._held:
+            self._held = False
+            _release(self._device, self.handle)
 
     def segments(self) -> list[dict]:
         return torch.cuda.memory_snapshot(self.handle, include_traces=False)

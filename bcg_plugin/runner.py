@@ -204,10 +204,11 @@ class PrefillGraphRunner:
         if not specs:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
         top = self.buckets[-1]
-        self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
-        self._pads = {name: spec.pad for name, spec in specs.items()}
-        self._padded = PaddedRows(self.buckets, self.device)
         self._pool = GraphPool()
+        with self._pool.allocating():
+            self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
+            self._padded = PaddedRows(self.buckets, self.device)
+        self._pads = {name: spec.pad for name, spec in specs.items()}
         return self._hook.bcg_capture_stream() or self._fallback_stream()
 
     def _fallback_stream(self) -> torch.cuda.Stream:
@@ -288,7 +289,8 @@ class PrefillGraphRunner:
         stream.synchronize()  # timed to completion: a GPU-bound warm-up would bill the capture
         self.stats.warmup_seconds += time.perf_counter() - start
         if self._output is None:
-            self._output = torch.empty((self.buckets[-1], *warm.shape[1:]), dtype=warm.dtype, device=self.device)
+            with self._pool.allocating():
+                self._output = torch.empty((self.buckets[-1], *warm.shape[1:]), dtype=warm.dtype, device=self.device)
 
     # -- replay --------------------------------------------------------------------------------
 
@@ -377,4 +379,6 @@ class PrefillGraphRunner:
         self._static.clear()
         self._padded = None
         self._output = None
+        if self._pool is not None:
+            self._pool.release()
         self._pool = None

@@ -13,6 +13,9 @@ Put this folder first on ``PYTHONPATH`` and set:
   bucket's warm-up, one segment of that warm-up's peak activation size is reserved in it on the
   capture stream, so the captures split one block instead of adding a segment per tensor shape:
   measures what fragmentation costs. Not a supported setting.
+* ``EXP_SEGMENT_DUMP=1``: record allocation stacks during bcg's capture and, after it and
+  ``empty_cache``, list the segments it added outside its pool: size, stream, and each block still
+  allocated in them with the code that allocated it. Says what keeps that memory from being released.
 * ``EXP_LOG=path``: append the lines to ``path`` as well (the bench keeps a mode's stderr only when
   it fails).
 """
@@ -100,6 +103,50 @@ def _patch_runner():
                  f"static {[(n, tuple(b.shape), b.dtype) for n, b in self._static.items()]}")
 
         runner.PrefillGraphRunner.capture = dumping_capture
+    if os.environ.get("EXP_SEGMENT_DUMP"):
+        inner = runner.PrefillGraphRunner.capture
+
+        def _where(frames):
+            ours = [f for f in frames if any(k in f["filename"] for k in ("bcg_plugin", "adapters", "/vllm/"))]
+            return " <- ".join(f"{f['filename'].rsplit('/', 2)[-2]}/{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}"
+                               for f in ours[:4]) or "?"
+
+        def segment_dumping_capture(self, *args, **kwargs):
+            import torch
+
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            before = {s["address"] for s in torch.cuda.memory_snapshot()}
+            torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
+                                                     max_entries=200000)
+            try:
+                inner(self, *args, **kwargs)
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                snap = torch.cuda.memory._snapshot()
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            try:
+                _dump_new_segments(self, snap, before)
+            except Exception as e:  # a diagnostic must not fail the capture it reports on
+                _say(f"EXP_SEGMENT_DUMP failed: {e!r}")
+
+        def _dump_new_segments(self, snap, before):
+            pool = tuple(self._pool.handle) if self._pool else None
+            new = [s for s in snap["segments"] if s["address"] not in before]
+            outside = [s for s in new if tuple(s.get("segment_pool_id", ())) != pool]
+            _say(f"EXP_SEGMENT_DUMP: {len(new)} new segments, {len(outside)} outside bcg's pool "
+                 f"({sum(s['total_size'] for s in outside) / 2**20:.1f} MiB; pool id {pool})")
+            for s in sorted(outside, key=lambda s: -s["total_size"]):
+                live = [b for b in s["blocks"] if b["state"] == "active_allocated"]
+                _say(f"  segment {s['total_size'] / 2**20:.1f} MiB stream {s['stream']} pool {s.get('segment_pool_id')} "
+                     f"allocated {s['allocated_size'] / 2**20:.2f} MiB in {len(live)} blocks; "
+                     f"made by {_where(s.get('frames', []))}")
+                for b in sorted(live, key=lambda b: -b["size"])[:6]:
+                    _say(f"    block {b['size'] / 2**20:.3f} MiB (requested {b.get('requested_size', 0) / 2**20:.3f}) "
+                         f"by {_where(b.get('frames', []))}")
+
+        runner.PrefillGraphRunner.capture = segment_dumping_capture
 
 
 class _RunnerFinder(importlib.abc.MetaPathFinder):
@@ -120,5 +167,5 @@ class _RunnerFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if any(os.environ.get(k) for k in ("EXP_SHARED_POOL", "EXP_POOL_DUMP", "EXP_POOL_RESERVE")):
+if any(os.environ.get(k) for k in ("EXP_SHARED_POOL", "EXP_POOL_DUMP", "EXP_POOL_RESERVE", "EXP_SEGMENT_DUMP")):
     sys.meta_path.insert(0, _RunnerFinder())

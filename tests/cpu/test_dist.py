@@ -122,6 +122,9 @@ class _FakePool:
     def reserved_bytes(self):
         return 0
 
+    def release(self):
+        pass
+
 
 def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
     """Run the real capture loop (setup vote, per-bucket votes) with a scripted setup and

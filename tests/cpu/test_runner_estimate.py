@@ -1,5 +1,6 @@
 """The graph-memory estimate for hosts that size their KV cache before capturing: sample, release, extrapolate."""
 
+import contextlib
 import logging
 
 import pytest
@@ -36,6 +37,19 @@ class _FakeDevice:
         return _Graph()
 
 
+class _FakePool:
+    """GraphPool's surface without a device: nothing reserved, allocations left where they are."""
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def allocating(self):
+        return contextlib.nullcontext()
+
+    def release(self) -> None:
+        pass
+
+
 def _runner(monkeypatch, device):
     runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
                                 device=torch.device("cuda", 0))
@@ -62,7 +76,7 @@ def test_capture_can_follow_the_estimate(monkeypatch):
     runner = _runner(monkeypatch, device)
     runner.estimate_graph_bytes()
     device.captured.clear()
-    monkeypatch.setattr(runner_mod, "GraphPool", lambda: type("P", (), {"reserved_bytes": lambda self: 0})())
+    monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
     runner._prepare_capture = lambda: runner.__setattr__("_pool", runner_mod.GraphPool())
     runner.capture(progress=False)
     assert runner.captured and device.captured == sorted(SIZES, reverse=True)
@@ -112,7 +126,7 @@ def test_estimate_and_capture_share_the_runners_one_stream_when_the_host_names_n
     runner = PrefillGraphRunner(plugin_manager(_NoStreamHost()), BcgConfig(enable=True, sizes=SIZES),
                                 chunk_size=128, device="cpu")
     monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
-    monkeypatch.setattr(runner_mod, "GraphPool", lambda: type("P", (), {"reserved_bytes": lambda self: 0})())
+    monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     runner._capture_bucket = lambda bucket, stream, warm=True: (seen.append(stream), device.capture(bucket, stream))[1]
     runner.estimate_graph_bytes()
