@@ -30,7 +30,7 @@ class GraphPool:
     pool: kernels that cache raw workspace pointers from decode capture get corrupted when
     prefill captures re-carve those blocks. Buckets are self-contained graphs replayed one at a
     time, so blocks freed inside one bucket's capture may be reused by the next; whatever must
-    outlive a bucket (inputs, outputs, out-of-pool break arguments) is owned elsewhere.
+    outlive a bucket (inputs, outputs, out-of-pool break arguments) is held by a live reference.
 
     The runner's own long-lived buffers (the static inputs it allocates, the padded-row flags, the
     shared output) are allocated in the pool as well (:meth:`allocating`), as blocks that stay

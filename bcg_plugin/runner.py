@@ -205,7 +205,7 @@ class PrefillGraphRunner:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
         top = self.buckets[-1]
         self._pool = GraphPool()
-        with self._pool.allocating():
+        with self._pool.allocating():  # live blocks in the pool's segments, not segments of their own
             self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
             self._padded = PaddedRows(self.buckets, self.device)
         self._pads = {name: spec.pad for name, spec in specs.items()}
