@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -71,6 +71,11 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
             raise TypeError(f"eager_break({fn.__qualname__}): outputs {missing} are not parameters of it")
         positions = [(name, params.index(name)) for name in outputs]
 
+        def declared(args: tuple, kwargs: dict) -> Iterator[tuple[str, torch.Tensor]]:
+            """One call's declared outputs by name, passed by keyword or by position."""
+            for name, pos in positions:
+                yield name, kwargs[name] if name in kwargs else args[pos]
+
         @functools.wraps(fn)
         def step(*args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
@@ -78,8 +83,7 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
             if batch is not None:
                 n, graph_rows = batch.num_tokens, batch.graph_scrub_start  # the graph zeroes rows from there
                 if n < (batch.bucket if graph_rows is None else graph_rows):
-                    for name, pos in positions:
-                        out = kwargs[name] if name in kwargs else args[pos]
+                    for _, out in declared(args, kwargs):
                         out[n:graph_rows].zero_()
             return result
 
@@ -100,8 +104,8 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
             result = broken(*args, **kwargs)
             scrub = _capture_scrub.get()
             if scrub is not None:  # under a bucket's capture: the segment after the break begins here
-                for name, pos in positions:
-                    scrub.apply(kwargs[name] if name in kwargs else args[pos], name)
+                for name, out in declared(args, kwargs):
+                    scrub.apply(out, name)
             return result
 
         return call
