@@ -307,8 +307,8 @@ def test_runners_buffers_share_the_pools_segments_instead_of_pinning_their_own(m
         runner.capture(progress=False)
     try:
         free_device_bytes(runner.device)
-        in_pool = {s["address"] for s in runner._pool.segments()}
-        outside = [s for s in torch.cuda.memory_snapshot() if s["address"] not in before | in_pool]
+        known = before | {s["address"] for s in runner._pool.segments()}
+        outside = [s for s in torch.cuda.memory_snapshot() if s["address"] not in known]
         outside_bytes = sum(s["total_size"] for s in outside)
         print(f"\ncapture added {outside_bytes / 2**20:.1f} MiB of segments outside its pool "
               f"{sorted(s['total_size'] >> 20 for s in outside)} MiB; output {runner._output.nbytes / 2**20:.1f} MiB")
