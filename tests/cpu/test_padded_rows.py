@@ -100,4 +100,3 @@ def test_a_replay_flags_its_padding_and_binds_the_rows_its_graph_scrubs():
     assert runner._padded._padded.tolist() == [False] * 11 + [True] * 5
     runner.close()
     assert runner._padded is None
-
