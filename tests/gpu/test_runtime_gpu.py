@@ -350,6 +350,31 @@ def test_recapture_on_the_runners_own_stream_pins_no_memory(model):
         torch.cuda.empty_cache()
 
 
+def test_host_graphs_captured_after_bcg_share_its_streams_cublas_workspace(model, monkeypatch):
+    # A host's own graphs captured without naming a stream (vLLM's V2 decode graphs) run on torch's
+    # default capture stream; made fresh here, so no earlier test has pinned a workspace for it.
+    monkeypatch.setattr(torch.cuda.graph, "default_capture_stream", None)
+    runner = PrefillGraphRunner(plugin_manager(ToyAdapter(model)), BcgConfig(enable=True, sizes=(256, TOP)),
+                                chunk_size=TOP)
+    w = model.layers[0]["o"]
+    try:
+        runner.capture(progress=False)
+        assert runner._own_stream is torch.cuda.graph.default_capture_stream
+        free_device_bytes(runner.device)
+        held_before = torch.cuda.memory_reserved(runner.device)
+        host_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(host_graph):
+            y = w @ w.T
+        pinned = torch.cuda.memory_reserved(runner.device) - held_before
+        print(f"\na host graph captured after bcg's took {pinned / 2**20:.1f} MiB for a {y.nbytes / 2**20:.1f} "
+              "MiB output")
+        # A workspace of its own would come out of the host graph's pool: 32 MiB on Hopper.
+        assert pinned <= y.nbytes + 2 * 2**20, pinned
+    finally:
+        runner.close()
+        torch.cuda.empty_cache()
+
+
 class _UnjoinedStreamAdapter(ToyAdapter):
     @hookimpl
     def bcg_body_forward(self, inputs, payload):
