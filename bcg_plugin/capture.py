@@ -134,6 +134,7 @@ def capture_segments(
         if not completed:
             graph.reset()
             holds.clear()
+            pool.end_failed_capture()
             torch.cuda.set_stream(outer_stream)
         if gc_was_enabled:
             gc.enable()
