@@ -7,6 +7,7 @@ mix at that token count.
 """
 
 from bcg_plugin.breaks import eager_break
+from bcg_plugin.capture import default_capture_stream
 from bcg_plugin.config import BcgConfig
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgError, BcgStateError
 from bcg_plugin.hookspecs import HostBatch, StaticInput, hookimpl, plugin_manager
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BcgCaptureError", "BcgCaptureOOM", "BcgConfig", "BcgConfigError", "BcgError", "BcgStateError",
     "Fallback", "HostBatch", "LiveBatch", "PrefillGraphRunner", "RuntimeStats", "StaticInput",
-    "choose_bucket", "eager_break", "hookimpl", "plugin_manager", "reference_ladder", "resolve_buckets",
+    "choose_bucket", "default_capture_stream", "eager_break", "hookimpl", "plugin_manager", "reference_ladder", "resolve_buckets",
 ]

@@ -57,6 +57,23 @@ if not callable(getattr(breakable_graph, "_new_graph_ctx", None)) or not {"fn", 
                       "_EagerSegment's fn/args/kwargs are missing)")
 
 
+def default_capture_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream ``torch.cuda.graph`` captures on when it is given none, or ``None`` if that one is on
+    another device. Where torch has not made it yet, it is made here, as torch would make it.
+
+    Every stream that runs a matmul pins a cuBLAS workspace of its own (32 MiB on Hopper) for the
+    life of the process. A host whose own graphs are captured without naming a stream (vLLM's V2
+    decode graphs) captures them there, so bcg capturing there too shares one workspace with them.
+    Graphs captured on one stream are independent: only the capture, not the replay, uses it.
+    """
+    graph_class: Any = torch.cuda.graph
+    stream = getattr(graph_class, "default_capture_stream", None)
+    if stream is None:
+        with torch.cuda.device(device):
+            stream = graph_class.default_capture_stream = torch.cuda.Stream()
+    return stream if stream.device == device else None
+
+
 def _replay_step(segment: torch.cuda.CUDAGraph | _EagerSegment) -> Callable[[], None]:
     # An eager segment's call bound up front: replay then calls the break directly, as vLLM's own
     # breakable graphs do, instead of through the segment's replay method (one frame per break).
@@ -117,6 +134,7 @@ def capture_segments(
         if not completed:
             graph.reset()
             holds.clear()
+            pool.end_failed_capture()
             torch.cuda.set_stream(outer_stream)
         if gc_was_enabled:
             gc.enable()

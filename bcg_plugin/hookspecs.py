@@ -137,7 +137,8 @@ class BcgHostSpec:
 
     @hookspec(firstresult=True)
     def bcg_capture_stream(self) -> torch.cuda.Stream | None:
-        """Return the stream to capture on (the host's graph stream), or ``None`` for a new one."""
+        """Return the stream to capture on (the host's graph stream), or ``None`` for the one
+        ``torch.cuda.graph`` captures on when given none (see :func:`bcg_plugin.default_capture_stream`)."""
 
 
 def plugin_manager(*adapters: object) -> pluggy.PluginManager:

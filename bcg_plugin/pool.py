@@ -75,6 +75,25 @@ class GraphPool:
             self._held = False
             _release(self._device, self.handle)
 
+    def end_failed_capture(self) -> None:
+        """Undo what a capture into this pool that failed in ``cudaStreamEndCapture`` left behind.
+
+        torch 2.11 raises there before it stops routing the capture's allocations to the pool and
+        before the capture counts as ended, so resetting the graph does not drop the reference its
+        ``capture_begin`` took. The routing lingers, and while any routing is open the allocator's
+        ``empty_cache`` returns nothing to the device, for the whole process (a freed 1 GiB tensor
+        stayed cached); the pool, never released, keeps its segments. Each lingering routing of
+        this pool is ended here and its reference dropped; a capture that failed elsewhere left none.
+        """
+        if _begin_routing is None:
+            return
+        while True:
+            try:
+                _end_routing(self._device, self.handle)
+            except RuntimeError:  # "not currently recording to" this pool: nothing (more) lingers
+                return
+            _release(self._device, self.handle)
+
     def segments(self) -> list[dict]:
         return torch.cuda.memory_snapshot(self.handle, include_traces=False)
 

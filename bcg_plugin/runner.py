@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bcg_plugin import live
-from bcg_plugin.capture import SegmentedGraph, capture_segments
+from bcg_plugin.capture import SegmentedGraph, capture_segments, default_capture_stream
 from bcg_plugin.config import BcgConfig
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgStateError
@@ -212,13 +212,14 @@ class PrefillGraphRunner:
         return self._hook.bcg_capture_stream() or self._fallback_stream()
 
     def _fallback_stream(self) -> torch.cuda.Stream:
-        """The runner's own capture stream, for hosts that name none: one for the runner's life.
+        """The capture stream for hosts that name none: ``torch.cuda.graph``'s own, else one for the runner's life.
 
         Every stream that runs a matmul pins its own cuBLAS workspace (32 MiB on Hopper) until the
-        process ends, so a stream per capture would leave one behind for each estimate or recapture.
+        process ends, so a stream per capture would leave one behind for each estimate or recapture,
+        and a stream beside the one the host's own graphs are captured on pins one more.
         """
         if self._own_stream is None:
-            self._own_stream = torch.cuda.Stream(device=self.device)
+            self._own_stream = default_capture_stream(self.device) or torch.cuda.Stream(device=self.device)
         return self._own_stream
 
     def _static_buffer(self, name: str, spec: StaticInput, rows: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from bcg_plugin import HostBatch, StaticInput, hookimpl
+from bcg_plugin import HostBatch, StaticInput, default_capture_stream, hookimpl
 
 
 class VllmHost:
@@ -64,10 +64,14 @@ class VllmHost:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """vLLM's graph-capture context: its stream, and TP custom all-reduce buffers registered at exit."""
-        from vllm.distributed.parallel_state import graph_capture
+        """vLLM's graph-capture context, with TP custom all-reduce buffers registered at exit, on the
+        stream the V2 runner captures its decode graphs on (``torch.cuda.graph``'s default): a stream
+        of its own would pin one more cuBLAS workspace (32 MiB on Hopper) for the process's life."""
+        from vllm.distributed.parallel_state import GraphCaptureContext, graph_capture
 
-        with graph_capture(device=self.device) as ctx:
+        stream = default_capture_stream(self.device)
+        with graph_capture(device=self.device,
+                           graph_capture_context=GraphCaptureContext(stream) if stream is not None else None) as ctx:
             self.stream = ctx.stream
             try:
                 yield

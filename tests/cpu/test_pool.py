@@ -64,3 +64,21 @@ def test_without_torchs_routing_calls_allocations_stay_where_they_were(calls, mo
         pass
     pool.release()
     assert calls == []
+
+
+@pytest.mark.parametrize("lingering", [0, 1, 2])
+def test_a_failed_captures_lingering_routings_are_ended_and_their_references_dropped(calls, monkeypatch, lingering):
+    # Each capture that failed in cudaStreamEndCapture left one routing open and one reference held.
+    open_routings = [lingering]
+
+    def end(device, handle):
+        if not open_routings[0]:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        open_routings[0] -= 1
+        calls.append(f"end {device} {handle}")
+
+    monkeypatch.setattr(pool_mod, "_end_routing", end)
+    pool = pool_mod.GraphPool()
+    pool.end_failed_capture()
+    assert open_routings == [0]
+    assert calls == [f"end 0 {HANDLE}", f"release 0 {HANDLE}"] * lingering

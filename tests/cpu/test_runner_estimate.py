@@ -114,22 +114,29 @@ class _NoStreamHost:
         return {"positions": StaticInput((), torch.int64, 0)}
 
 
-def test_estimate_and_capture_share_the_runners_one_stream_when_the_host_names_none(monkeypatch):
-    # Each stream pins its own cuBLAS workspace for the process's life: one stream per runner, not per capture.
+@pytest.mark.parametrize("torch_default", [True, False])
+def test_estimate_and_capture_share_one_stream_when_the_host_names_none(monkeypatch, torch_default):
+    # Each stream pins its own cuBLAS workspace for the process's life: torch.cuda.graph's default
+    # capture stream (where a host's own unnamed-stream graphs capture), else one stream per runner.
     made, seen = [], []
 
     class _Stream:
         def __init__(self, device=None):
             made.append(self)
 
+    torch_stream = _Stream() if torch_default else None
+    made.clear()
     device = _FakeDevice()
     runner = PrefillGraphRunner(plugin_manager(_NoStreamHost()), BcgConfig(enable=True, sizes=SIZES),
                                 chunk_size=128, device="cpu")
     monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
     monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
+    monkeypatch.setattr(runner_mod, "default_capture_stream", lambda _: torch_stream)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     runner._capture_bucket = lambda bucket, stream, warm=True: (seen.append(stream), device.capture(bucket, stream))[1]
     runner.estimate_graph_bytes()
     runner.capture(progress=False)
     assert runner.captured and len(seen) == 2 + len(SIZES)
-    assert len(made) == 1 and all(s is made[0] for s in seen), (len(made), seen)
+    expected = torch_stream if torch_default else (made[0] if made else None)
+    assert len(made) == (0 if torch_default else 1), made
+    assert expected is not None and all(s is expected for s in seen), (expected, seen)

@@ -518,6 +518,36 @@ def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding()
     assert graphs._host_batch(context, inputs, 48, dummy=True) is None  # no graph at that size
 
 
+@pytest.mark.parametrize("default_stream", ["shared", None])
+def test_capture_enters_vllms_graph_capture_on_the_stream_torch_captures_on(monkeypatch, default_stream):
+    import contextlib
+    import inspect
+
+    import vllm.distributed.parallel_state as ps
+
+    from bcg_adapters.vllm import host as host_module
+
+    assert {"device", "graph_capture_context"} <= set(inspect.signature(ps.graph_capture).parameters)
+    entered = []
+
+    @contextlib.contextmanager
+    def graph_capture(device, graph_capture_context=None):
+        entered.append(graph_capture_context)
+        yield graph_capture_context or ps.GraphCaptureContext("fresh")
+
+    monkeypatch.setattr(ps, "graph_capture", graph_capture)
+    monkeypatch.setattr(host_module, "default_capture_stream", lambda device: default_stream)
+    host = object.__new__(host_module.VllmHost)
+    host.device, host.stream = torch.device("cpu"), None
+    with host.capturing():
+        seen = host.bcg_capture_stream()
+    assert host.stream is None  # named for the capture only
+    if default_stream is None:  # torch's is on another device: vLLM opens a stream of its own
+        assert entered == [None] and seen == "fresh"
+    else:
+        assert [c.stream for c in entered] == ["shared"] and seen == "shared"
+
+
 # -- the attention break reads the forward context the replay path leaves current ----------------
 
 
