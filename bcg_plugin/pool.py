@@ -41,8 +41,9 @@ class GraphPool:
     Allocations are routed with the calls ``torch.cuda.use_mem_pool`` makes, not with a
     ``torch.cuda.MemPool``: a MemPool's destructor empties its pool under an internal assert
     that no capture is routing allocations anywhere, and torch 2.11 leaves such a routing behind
-    after a capture that fails at ``cudaStreamEndCapture``. Closing a runner after that failure
-    would abort the process instead of falling back to eager. A graph pool is freed the way
+    after a capture that fails at ``cudaStreamEndCapture`` (:meth:`end_failed_capture` closes it,
+    but any other routing left open would do the same). Closing a runner then would abort the
+    process instead of falling back to eager. A graph pool is freed the way
     graphs free theirs: when its last user releases it, by the allocator's next ``empty_cache``.
     """
 
