@@ -66,12 +66,13 @@ def default_capture_stream(device: torch.device) -> torch.cuda.Stream | None:
     decode graphs) captures them there, so bcg capturing there too shares one workspace with them.
     Graphs captured on one stream are independent: only the capture, not the replay, uses it.
     """
+    index = device.index if device.index is not None else torch.cuda.current_device()
     graph_class: Any = torch.cuda.graph
     stream = getattr(graph_class, "default_capture_stream", None)
     if stream is None:
-        with torch.cuda.device(device):
+        with torch.cuda.device(index):
             stream = graph_class.default_capture_stream = torch.cuda.Stream()
-    return stream if stream.device == device else None
+    return stream if stream.device_index == index else None
 
 
 def _replay_step(segment: torch.cuda.CUDAGraph | _EagerSegment) -> Callable[[], None]:
