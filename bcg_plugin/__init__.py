@@ -21,5 +21,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BcgCaptureError", "BcgCaptureOOM", "BcgConfig", "BcgConfigError", "BcgError", "BcgStateError",
     "Fallback", "HostBatch", "LiveBatch", "PrefillGraphRunner", "RuntimeStats", "StaticInput",
-    "choose_bucket", "default_capture_stream", "eager_break", "hookimpl", "plugin_manager", "reference_ladder", "resolve_buckets",
+    "choose_bucket", "default_capture_stream", "eager_break", "hookimpl", "plugin_manager", "reference_ladder",
+    "resolve_buckets",
 ]
