@@ -84,7 +84,7 @@ class PrefillGraphRunner:
         self._padded: PaddedRows | None = None
         self._output: torch.Tensor | None = None
         self._capture_failed = False
-        self._own_stream: torch.cuda.Stream | None = None
+        self._fallback_capture_stream: torch.cuda.Stream | None = None
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -218,9 +218,9 @@ class PrefillGraphRunner:
         process ends, so a stream per capture would leave one behind for each estimate or recapture,
         and a stream beside the one the host's own graphs are captured on pins one more.
         """
-        if self._own_stream is None:
-            self._own_stream = default_capture_stream(self.device) or torch.cuda.Stream(device=self.device)
-        return self._own_stream
+        if self._fallback_capture_stream is None:
+            self._fallback_capture_stream = default_capture_stream(self.device) or torch.cuda.Stream(device=self.device)
+        return self._fallback_capture_stream
 
     def _static_buffer(self, name: str, spec: StaticInput, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the host's buffer for input ``name``, or a new padded one."""

@@ -371,7 +371,7 @@ def test_host_graphs_captured_after_bcg_share_its_streams_cublas_workspace(model
         # The output takes one small-block segment (2 MiB); a workspace of the host graph's own
         # would come out of its pool as well (32 MiB on Hopper).
         assert pinned <= 2 * 2**20, pinned
-        assert runner._own_stream is torch.cuda.graph.default_capture_stream
+        assert runner._fallback_capture_stream is torch.cuda.graph.default_capture_stream
     finally:
         runner.close()
         torch.cuda.empty_cache()
