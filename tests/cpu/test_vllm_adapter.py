@@ -689,6 +689,36 @@ def test_graphs_read_the_runners_persistent_input_buffers_in_place(model_config,
     assert statics["inputs_embeds"].host_buffer is None and statics["positions"].host_buffer is positions
 
 
+@pytest.mark.parametrize("num_tokens, seq_len", [(2048, 2048), (8192, 8192), (16384, 8192)])
+def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_config, monkeypatch, num_tokens, seq_len):
+    """V1's _dummy_run gives every request the whole batch as its sequence length unless told otherwise:
+    above max_model_len, attention's reads overrun the block table (a chunk of 16384 at max_model_len
+    8192 ended the process with an illegal memory access)."""
+    import inspect
+
+    import vllm.forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from bcg_adapters.vllm.host import V1Host
+
+    config = make_config(model_config)
+    monkeypatch.setattr(config.model_config, "max_model_len", 8192)  # the model config is shared
+    assert "profile_seq_lens" in inspect.signature(GPUModelRunner._dummy_run).parameters
+    calls = []
+
+    def _dummy_run(num_tokens, **kwargs):  # what V1's does for bcg: a forward context, then the model
+        calls.append((num_tokens, kwargs))
+        runner.model()
+
+    runner = types.SimpleNamespace(get_model=_TextModel, vllm_config=config, device=torch.device("cpu"),
+                                   model=None, _dummy_run=_dummy_run)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ("ctx", num_tokens))
+    assert V1Host(runner).capture_context(num_tokens) == ("ctx", num_tokens)
+    assert calls == [(num_tokens, {"cudagraph_runtime_mode": calls[0][1]["cudagraph_runtime_mode"],
+                                   "force_attention": True, "skip_eplb": True, "remove_lora": False,
+                                   "profile_seq_lens": seq_len})]
+
+
 # -- stats over collective RPC ----------------------------------------------------------------------
 
 
