@@ -449,9 +449,10 @@ class _ProfilingRunner:
         return None
 
 
-@pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises"])
-def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypatch, caplog, outcome):
+@pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises", "unusable"])
+def test_v1_estimate_runs_on_a_minimal_kv_cache_and_releases_it_while_the_gpu_runs(monkeypatch, caplog, outcome):
     from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin import BcgCaptureError
 
     runner = _ProfilingRunner()
     monkeypatch.setattr(plugin, "runs_bcg", lambda config: True)
@@ -461,6 +462,8 @@ def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypat
             runner.calls.append("estimate")
             if outcome == "raises":
                 raise RuntimeError("boom")
+            if outcome == "unusable":  # the core's verdict after a sticky CUDA error
+                raise BcgCaptureError("bcg's prefill graph memory estimate left this rank's GPU unusable")
             return 700
 
         def close(self):
@@ -472,8 +475,15 @@ def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypat
 
     monkeypatch.setattr(VllmPrefillGraphs, "build", build)
     with caplog.at_level(logging.WARNING, logger="vllm.bcg"):
-        assert plugin.estimate_v1(runner) == (700 if outcome == "estimated" else 0)
+        if outcome == "unusable":  # nothing can follow on that GPU: the engine stops with the core's error
+            with pytest.raises(BcgCaptureError, match="GPU unusable"):
+                plugin.estimate_v1(runner)
+        else:
+            assert plugin.estimate_v1(runner) == (700 if outcome == "estimated" else 0)
     assert ("could not estimate" in caplog.text and "boom" in caplog.text) == (outcome == "raises")
+    if outcome == "unusable":  # releasing on a GPU that runs nothing would raise over the error
+        assert runner.calls == ["init minimal KV cache", "estimate"]
+        return
     inner = {"estimated": ["estimate", "close graphs"], "unsupported": [], "raises": ["estimate", "close graphs"]}
     assert runner.calls == ["init minimal KV cache", *inner[outcome], "clean up minimal KV cache"]
 
