@@ -84,7 +84,7 @@ class PrefillGraphRunner:
         self._padded: PaddedRows | None = None
         self._output: torch.Tensor | None = None
         self._capture_failed = False
-        self._own_stream: torch.cuda.Stream | None = None
+        self._fallback_capture_stream: torch.cuda.Stream | None = None
 
     # -- capture -------------------------------------------------------------------------------
 
@@ -96,7 +96,9 @@ class PrefillGraphRunner:
         """Capture every bucket, largest first; agree on the outcome with every rank.
 
         A non-OOM failure on any rank leaves every rank eager (or raises if the config says
-        so); OOM on any rank fails the boot on every rank with advice.
+        so); OOM on any rank fails the boot on every rank with advice. A failure that leaves this
+        rank's device unusable (a sticky CUDA error: eager prefill would fail too) raises here,
+        after the ranks have agreed, with advice.
         """
         if not self.config.active or not self.buckets:
             return
@@ -117,6 +119,13 @@ class PrefillGraphRunner:
             # them blocks of the pool being torn down, alive in whatever handler keeps records.
             logger.warning("bcg: prefill graph capture failed:\n%s", "".join(traceback.format_exception(e)))
         world = agree_capture_status(status, self._hook.bcg_world_group())
+        if error is not None and not self._device_usable():
+            raise BcgCaptureError(
+                f"bcg prefill graph capture left this rank's GPU unusable ({error!r}): after an error of this "
+                "kind (an illegal memory access, a device-side assert) every later CUDA call fails, eager ones "
+                "too, so the engine cannot fall back to eager prefill; start it without bcg (set 'max_tokens' "
+                "to 0) and report this log"
+            ) from error
         if world is CaptureStatus.OK:
             self.stats.capture_seconds = time.perf_counter() - start
             self.stats.buckets_captured = len(self._graphs)
@@ -156,7 +165,8 @@ class PrefillGraphRunner:
         extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and agrees
         on the outcome as in :meth:`capture`. The runner is left as it was, so :meth:`capture` can
         follow; if the sample fails on any rank the estimate is 0 (logged): it is advice for the
-        host, and the capture itself decides later.
+        host, and the capture itself decides later. A failure that leaves the device unusable
+        raises instead, as in :meth:`capture`.
         """
         if not self.config.active or not self.buckets:
             return 0
@@ -165,21 +175,40 @@ class PrefillGraphRunner:
         sample = sorted(self.buckets, reverse=True)[:2]
         free = [self._free_device_bytes()]
         warmup_seconds = self.stats.warmup_seconds
+        usable = True
         try:
             self._capture_all(sample, progress=False, after_each=lambda: free.append(self._free_device_bytes()))
         except Exception as e:  # OOM or a failure on any rank alike: the estimate is advisory
+            usable = self._device_usable()
+            if not usable:  # ...unless nothing can run after it, capture nor eager
+                raise BcgCaptureError(
+                    f"bcg's prefill graph memory estimate left this rank's GPU unusable ({e!r}): every later "
+                    "CUDA call fails; start the engine without bcg (set 'max_tokens' to 0) and report this log"
+                ) from e
             traceback.clear_frames(e.__traceback__)  # frames would keep blocks of the pool alive
             logger.warning("bcg: could not estimate prefill graph memory (%r); the host sizes its memory "
                            "without bcg's graphs", e)
             return 0
         finally:
-            self.close()
+            if usable:  # releasing graphs on a device that runs nothing would raise over the error above
+                self.close()
             self.stats.warmup_seconds = warmup_seconds
         first, more = free[0] - free[1], (free[1] - free[2] if len(free) > 2 else 0)
         estimate = max(first, 0) + max(more, 0) * (len(self.buckets) - 1)
         logger.info("bcg: prefill graph memory estimated at %.3f GiB for %d buckets (top bucket %.3f GiB, "
                     "each further one %.1f MiB)", estimate / 2**30, len(self.buckets), first / 2**30, more / 2**20)
         return estimate
+
+    def _device_usable(self) -> bool:
+        """Whether the device still runs work after a failure: a sticky CUDA error (an illegal memory
+        access, a device-side assert) makes every later call on the device fail."""
+        if self.device.type != "cuda" or not torch.cuda.is_initialized():  # no device work ran, none broke
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # torch.AcceleratorError in torch 2.11; RuntimeError before it
+            return False
+        return True
 
     def _free_device_bytes(self) -> int:
         return free_device_bytes(self.device) if self.device.type == "cuda" else 0
@@ -218,9 +247,9 @@ class PrefillGraphRunner:
         process ends, so a stream per capture would leave one behind for each estimate or recapture,
         and a stream beside the one the host's own graphs are captured on pins one more.
         """
-        if self._own_stream is None:
-            self._own_stream = default_capture_stream(self.device) or torch.cuda.Stream(device=self.device)
-        return self._own_stream
+        if self._fallback_capture_stream is None:
+            self._fallback_capture_stream = default_capture_stream(self.device) or torch.cuda.Stream(device=self.device)
+        return self._fallback_capture_stream
 
     def _static_buffer(self, name: str, spec: StaticInput, rows: int) -> torch.Tensor:
         """The first ``rows`` rows of the host's buffer for input ``name``, or a new padded one."""

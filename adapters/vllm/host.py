@@ -179,6 +179,14 @@ class V1Host(VllmHost):
     ``_dummy_run(N, NONE, force_attention=True)`` prepares metadata, slot mappings (all -1) and the
     forward context exactly as V1 does for its own warm-ups; a probe standing in for the model
     during that one call keeps the context it was given.
+
+    ``_dummy_run`` spreads the N tokens over up to ``max_num_seqs`` requests but gives each the whole
+    N as its sequence length, which attention reads through the block table: with N above
+    ``max_model_len`` (a chunk larger than the context, e.g. vLLM's 16384 for ``LLM`` on an H200 with
+    ``max_model_len=8192``) the last rows' reads run past the table, an illegal memory access that
+    ends the process. The length is capped at ``max_model_len``, which each request's share of a
+    step vLLM can schedule fits in (vLLM holds ``max_num_batched_tokens`` to ``max_num_seqs`` x
+    ``max_model_len``); up to it nothing changes.
     """
 
     def __init__(self, runner: Any):
@@ -194,11 +202,12 @@ class V1Host(VllmHost):
         from vllm.config.compilation import CUDAGraphMode
 
         probe = _ContextProbe(num_tokens, self.hidden_size, self.dtype, self.device)
+        seq_len = min(num_tokens, self.vllm_config.model_config.max_model_len)
         saved = self.runner.model
         self.runner.model = probe
         try:
             self.runner._dummy_run(num_tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
-                                   skip_eplb=True, remove_lora=False)
+                                   skip_eplb=True, remove_lora=False, profile_seq_lens=seq_len)
         finally:
             self.runner.model = saved
         if probe.context is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from bcg_adapters.vllm.config import prefill_graphs_wanted
 from bcg_adapters.vllm.log import logger, route_core_logs
+from bcg_plugin import BcgCaptureError
 from bcg_plugin.doctor import installed_version
 
 
@@ -149,12 +150,15 @@ def estimate_v1(runner: Any) -> int:
     on a minimal KV cache, released afterwards. 0 when bcg does not run here.
 
     The estimate is advice for vLLM's memory budget: if taking it fails, vLLM sizes the KV cache
-    without it (one warning) and the capture, which decides whether bcg runs, still follows.
+    without it (one warning) and the capture, which decides whether bcg runs, still follows; unless
+    the failure left the GPU unusable (the core's :class:`~bcg_plugin.BcgCaptureError`), when nothing
+    can follow and the engine stops with that error.
     """
     from vllm.config import set_current_vllm_config
 
     if not runs_bcg(runner.vllm_config):
         return 0
+    usable = True
     try:
         with set_current_vllm_config(runner.vllm_config):
             runner._init_minimal_kv_cache_for_profiling()
@@ -164,10 +168,17 @@ def estimate_v1(runner: Any) -> int:
                 return 0
             try:
                 return graphs.estimate()
+            except BcgCaptureError:
+                usable = False  # nothing runs on the GPU any more, releases and clean-up included
+                raise
             finally:
-                graphs.close()
+                if usable:
+                    graphs.close()
         finally:
-            runner._cleanup_profiling_kv_cache()
+            if usable:
+                runner._cleanup_profiling_kv_cache()
+    except BcgCaptureError:
+        raise
     except Exception as e:
         logger.warning("bcg: could not estimate the prefill graphs' memory (%r); vLLM sizes the KV cache "
                        "without them, so they come out of the headroom --gpu-memory-utilization leaves", e)

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from bcg_plugin import BcgConfig, BcgStateError, PrefillGraphRunner, plugin_manager
+from bcg_plugin import BcgCaptureError, BcgConfig, BcgStateError, PrefillGraphRunner, plugin_manager
 from bcg_plugin import runner as runner_mod
 from bcg_plugin.hookspecs import StaticInput, hookimpl
 
@@ -90,6 +90,44 @@ def test_a_failed_sample_estimates_nothing_and_releases_what_it_captured(monkeyp
         assert runner.estimate_graph_bytes() == 0
     assert device.released == [128] and device.free == 50_000
     assert "could not estimate prefill graph memory" in caplog.text and "injected failure" in caplog.text
+
+
+def _sticky_cuda_error(monkeypatch):
+    """The device as after an illegal memory access: every later call fails, synchronising included."""
+
+    def synchronize(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+
+
+@pytest.mark.parametrize("sticky", [False, True])
+def test_a_failure_that_leaves_the_device_unusable_fails_the_capture_instead_of_falling_back(monkeypatch, sticky):
+    device = _FakeDevice(failing_bucket=64)
+    runner = _runner(monkeypatch, device)
+    monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
+    runner._prepare_capture = lambda: runner.__setattr__("_pool", runner_mod.GraphPool())
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    if not sticky:  # capture_failure "eager" (the default): every rank runs prefill eagerly
+        runner.capture(progress=False)
+        assert not runner.captured and device.released == [128]
+        return
+    _sticky_cuda_error(monkeypatch)
+    with pytest.raises(BcgCaptureError, match=r"GPU unusable \(RuntimeError\('injected failure.*cannot fall back"
+                                              r".*'max_tokens' to 0"):
+        runner.capture(progress=False)
+    assert device.released == []  # nothing is released on a device that runs nothing
+
+
+def test_an_estimate_that_leaves_the_device_unusable_raises_instead_of_estimating_nothing(monkeypatch):
+    device = _FakeDevice(failing_bucket=64)
+    runner = _runner(monkeypatch, device)
+    _sticky_cuda_error(monkeypatch)
+    with pytest.raises(BcgCaptureError, match=r"estimate left this rank's GPU unusable.*'max_tokens' to 0"):
+        runner.estimate_graph_bytes()
+    assert device.released == []
 
 
 def test_estimate_after_capture_is_refused(monkeypatch):

@@ -449,9 +449,10 @@ class _ProfilingRunner:
         return None
 
 
-@pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises"])
-def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypatch, caplog, outcome):
+@pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises", "unusable"])
+def test_v1_estimate_runs_on_a_minimal_kv_cache_and_releases_it_while_the_gpu_runs(monkeypatch, caplog, outcome):
     from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin import BcgCaptureError
 
     runner = _ProfilingRunner()
     monkeypatch.setattr(plugin, "runs_bcg", lambda config: True)
@@ -461,6 +462,8 @@ def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypat
             runner.calls.append("estimate")
             if outcome == "raises":
                 raise RuntimeError("boom")
+            if outcome == "unusable":  # the core's verdict after a sticky CUDA error
+                raise BcgCaptureError("bcg's prefill graph memory estimate left this rank's GPU unusable")
             return 700
 
         def close(self):
@@ -472,8 +475,15 @@ def test_v1_estimate_runs_on_a_minimal_kv_cache_and_always_releases_it(monkeypat
 
     monkeypatch.setattr(VllmPrefillGraphs, "build", build)
     with caplog.at_level(logging.WARNING, logger="vllm.bcg"):
-        assert plugin.estimate_v1(runner) == (700 if outcome == "estimated" else 0)
+        if outcome == "unusable":  # nothing can follow on that GPU: the engine stops with the core's error
+            with pytest.raises(BcgCaptureError, match="GPU unusable"):
+                plugin.estimate_v1(runner)
+        else:
+            assert plugin.estimate_v1(runner) == (700 if outcome == "estimated" else 0)
     assert ("could not estimate" in caplog.text and "boom" in caplog.text) == (outcome == "raises")
+    if outcome == "unusable":  # releasing on a GPU that runs nothing would raise over the error
+        assert runner.calls == ["init minimal KV cache", "estimate"]
+        return
     inner = {"estimated": ["estimate", "close graphs"], "unsupported": [], "raises": ["estimate", "close graphs"]}
     assert runner.calls == ["init minimal KV cache", *inner[outcome], "clean up minimal KV cache"]
 
@@ -687,6 +697,36 @@ def test_graphs_read_the_runners_persistent_input_buffers_in_place(model_config,
     host.persistent_inputs = {"input_ids": ids, "positions": positions}
     statics = host.bcg_static_inputs()
     assert statics["inputs_embeds"].host_buffer is None and statics["positions"].host_buffer is positions
+
+
+@pytest.mark.parametrize("num_tokens, seq_len", [(2048, 2048), (8192, 8192), (16384, 8192)])
+def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_config, monkeypatch, num_tokens, seq_len):
+    """V1's _dummy_run gives every request the whole batch as its sequence length unless told otherwise:
+    above max_model_len, attention's reads overrun the block table (a chunk of 16384 at max_model_len
+    8192 ended the process with an illegal memory access)."""
+    import inspect
+
+    import vllm.forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from bcg_adapters.vllm.host import V1Host
+
+    config = make_config(model_config)
+    monkeypatch.setattr(config.model_config, "max_model_len", 8192)  # the model config is shared
+    assert "profile_seq_lens" in inspect.signature(GPUModelRunner._dummy_run).parameters
+    calls = []
+
+    def _dummy_run(num_tokens, **kwargs):  # what V1's does for bcg: a forward context, then the model
+        calls.append((num_tokens, kwargs))
+        runner.model()
+
+    runner = types.SimpleNamespace(get_model=_TextModel, vllm_config=config, device=torch.device("cpu"),
+                                   model=None, _dummy_run=_dummy_run)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: ("ctx", num_tokens))
+    assert V1Host(runner).capture_context(num_tokens) == ("ctx", num_tokens)
+    assert calls == [(num_tokens, {"cudagraph_runtime_mode": calls[0][1]["cudagraph_runtime_mode"],
+                                   "force_attention": True, "skip_eplb": True, "remove_lora": False,
+                                   "profile_seq_lens": seq_len})]
 
 
 # -- stats over collective RPC ----------------------------------------------------------------------

@@ -371,7 +371,7 @@ def test_host_graphs_captured_after_bcg_share_its_streams_cublas_workspace(model
         # The output takes one small-block segment (2 MiB); a workspace of the host graph's own
         # would come out of its pool as well (32 MiB on Hopper).
         assert pinned <= 2 * 2**20, pinned
-        assert runner._own_stream is torch.cuda.graph.default_capture_stream
+        assert runner._fallback_capture_stream is torch.cuda.graph.default_capture_stream
     finally:
         runner.close()
         torch.cuda.empty_cache()
@@ -397,6 +397,42 @@ class _UnjoinedStreamAdapter(ToyAdapter):
 
         consume(y, out)  # no current_stream().wait_stream(side): the fork is never joined
         return out
+
+
+_DEVICE_ASSERT_SCRIPT = """
+import torch
+from bcg_plugin import BcgCaptureError, BcgConfig, PrefillGraphRunner, plugin_manager
+from bcg_plugin.hookspecs import hookimpl
+from bcg_plugin.testing import QWEN3_0_6B, ToyAdapter, ToyDecoder
+
+class DeviceAssertAdapter(ToyAdapter):
+    @hookimpl
+    def bcg_body_forward(self, inputs, payload):
+        x = inputs["inputs_embeds"]
+        return x[torch.full((x.shape[0],), 1 << 40, device=x.device)]  # out of bounds: a device-side assert
+
+model = ToyDecoder(QWEN3_0_6B, kv_slots=4096, device="cuda")
+runner = PrefillGraphRunner(plugin_manager(DeviceAssertAdapter(model)), BcgConfig(enable=True, sizes=(64,)),
+                            chunk_size=64)  # capture_failure "eager", the default
+try:
+    runner.capture(progress=False)
+except BcgCaptureError as e:
+    print("RAISED:", e, flush=True)
+else:
+    print("FELL BACK TO EAGER: captured =", runner.captured, flush=True)
+"""
+
+
+def test_a_capture_that_breaks_the_device_fails_the_boot_instead_of_falling_back_to_eager():
+    # A device-side assert is sticky: every later CUDA call in the process fails, an eager prefill's
+    # too. It runs in a process of its own, whose CUDA context it ends.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DEVICE_ASSERT_SCRIPT], capture_output=True, text=True, timeout=300)
+    print(done.stdout[-2000:])
+    assert "RAISED: bcg prefill graph capture left this rank's GPU unusable" in done.stdout, done.stderr[-4000:]
+    assert "cannot fall back to eager prefill" in done.stdout and "'max_tokens' to 0" in done.stdout
 
 
 def test_unjoined_side_stream_raises_a_clear_error(model, recorded_pools):

@@ -21,6 +21,8 @@ Two controls bracket the check: a replay with stale attention metadata must fail
 loose), and the eager engine run a second time must pass it against the first (it is not stricter
 than the host's own run-to-run reproducibility).
 
+``BCG_TEST_CHUNK`` sets the chunked-prefill size (default 1024; SGLang's default on an H200 is 8192).
+
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_plugin.bench.models``.
 Every rank must replay the same buckets in the same order. ``BCG_TEST_RESULTS_DIR`` keeps each
@@ -61,7 +63,9 @@ MOE_QUANTILE = 0.75
 # noise, so the check could pass whatever bcg did.
 MIN_SPREAD = 0.1
 N_PROMPTS = 200
-CHUNK = 1024  # chunked-prefill size: prompts up to 2*CHUNK are split, bcg's top bucket is CHUNK
+# Chunked-prefill size: prompts up to 2*CHUNK are split, bcg's top bucket is CHUNK. BCG_TEST_CHUNK=8192
+# runs the check at SGLang's default for an H200 (the workload's prompts grow with it).
+CHUNK = int(os.environ.get("BCG_TEST_CHUNK", "1024"))
 SEED = 0
 # (cached prefix K, new tokens N): P alone, then a fresh N-token prompt, then P + N new tokens.
 # The last two are consecutive forwards of N tokens with different layouts (no prefix / prefix).
@@ -317,7 +321,8 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 
 def kept(name: str, run) -> dict:
     """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there."""
-    path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}.json" if RESULTS_DIR else None
+    chunk = "" if CHUNK == 1024 else f"-chunk{CHUNK}"
+    path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
         return json.loads(path.read_text())
     text = json.dumps(run(), default=str)

@@ -21,6 +21,10 @@ must have replayed the same buckets the same number of times. Ranks wait for eac
 ``BCG_TEST_RESULTS_DIR`` keeps each engine's outputs there and reuses them, so the engines of one
 layout can run in separate commands.
 
+With ``BCG_TEST_CHUNK=16384`` (vLLM's default ``max_num_batched_tokens`` for ``LLM`` on an H200; 8192
+for ``vllm serve``) the engines chunk at that size, and bcg's ladder reaches it: the first wave's
+steps then fill the top buckets, which the default chunk of 2048 never builds.
+
 Workload: 200 prompts of random lengths 1..8192 (token ids, Qwen3-0.6B-shaped dummy model),
 ``max_num_batched_tokens=2048`` so long prompts are chunked, 180 submitted at once (prefills batched
 together, and mixed with the decodes of prompts that finished prefilling), then 20 that share long
@@ -54,11 +58,13 @@ import pytest
 import soak_helpers as soak
 
 from bcg_plugin.bench.ranks import FileBarrier
+from bcg_plugin.ladder import reference_ladder
 
 LOGPROB_ATOL = 0.25
 MIN_SHARED_TOP5 = 3
-NUM_PROMPTS, FIRST_WAVE, MAX_LEN, CHUNK, TOP_K = 200, 180, 8192, 2048, 5
-LADDER_BUCKETS = 40  # the core ladder up to CHUNK=2048
+NUM_PROMPTS, FIRST_WAVE, MAX_LEN, TOP_K = 200, 180, 8192, 5
+CHUNK = int(os.environ.get("BCG_TEST_CHUNK", "2048"))  # max_num_batched_tokens, and so bcg's top bucket
+LADDER_BUCKETS = len(reference_ladder(CHUNK))  # 40 at the default chunk
 # Multi-GPU runs of the same check: BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b (needs TP GPUs). Config keys
 # for the bcg engines come from BCG_* variables as in the bench (e.g. BCG_WARMUP=every_bucket).
 TP = int(os.environ.get("BCG_TEST_TP", "1"))
@@ -90,7 +96,7 @@ def workload(seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
     """Two waves of prompts (token ids); the second reuses long prefixes of the first."""
     rng = random.Random(seed)
     lengths = [rng.randint(1, MAX_LEN) for _ in range(FIRST_WAVE)]
-    lengths[:4] = [1, 2, CHUNK, MAX_LEN]  # the edges
+    lengths[:4] = [1, 2, min(CHUNK, MAX_LEN), MAX_LEN]  # the edges
     first = [[rng.randint(100, 150_000) for _ in range(n)] for n in lengths]
     second = []
     long_ones = [p for p in first if len(p) >= 64]
@@ -211,7 +217,7 @@ def engines():
 
     def get(name: str) -> dict:
         if name not in cache:
-            out = tmp / f"{name}-{MODEL}-tp{TP}-dp{DP}.json"
+            out = tmp / f"{name}-{MODEL}-tp{TP}-dp{DP}{'' if CHUNK == 2048 else f'-chunk{CHUNK}'}.json"
             if not out.exists():
                 error = _run_engine_processes(name, out)
                 if error is not None:
@@ -269,7 +275,11 @@ def _ok(run: dict, name: str) -> dict:
 def _assert_bcg_ran(run: dict) -> None:
     assert len(run["bcg"]) == TP * DP, run["bcg"]
     assert all(s["buckets"] == LADDER_BUCKETS for s in run["bcg"]), run["bcg"]
-    assert sum(s["replays"] for s in run["bcg"][::TP]) >= 50, run["bcg"]  # ~1M prompt tokens in 2048-token steps
+    # The first wave alone is ~0.7M prompt tokens, several hundred steps at the default chunk: bcg
+    # serves far more than a quarter of the full steps they need, and the first of them fill the top bucket.
+    first, _ = workload()
+    assert sum(s["replays"] for s in run["bcg"][::TP]) >= sum(map(len, first)) // CHUNK // 4, run["bcg"]
+    assert all(s["replays_by_bucket"].get(str(CHUNK), 0) > 0 for s in run["bcg"]), run["bcg"]
     for dp_rank, tp_stats in enumerate(run.get("bcg_per_dp_rank", [run["bcg"]])):
         stats = tp_stats[0]
         assert stats["replays"] > 0, (dp_rank, stats)
