@@ -1,13 +1,17 @@
 """Diagnostic: SGLang with a chunk (8192) above the context length (4096).
 
-Run from the repository root on a CUDA machine with SGLang: ``python3 benchmarks/diagnostics/sglang_chunk_above_context.py``.
+Run from the repository root on a CUDA machine with SGLang:
+``python3 benchmarks/diagnostics/sglang_chunk_above_context.py``.
 bcg's dummy batch for a bucket is one request of that many tokens, more than one request may hold
 here; the buckets above 4096 are captured and then replayed by steps of several prompts. Prints
 each batch's output lengths and ``OK``; the engine's log shows the capture and the replays.
 """
 import random
+
 import sglang
+
 from bcg_plugin.bench.models import model_dir
+
 if __name__ == "__main__":
     e = sglang.Engine(model_path=str(model_dir("qwen3-0.6b")), load_format="dummy", skip_tokenizer_init=True,
                       attention_backend="triton", chunked_prefill_size=8192, context_length=4096,
