@@ -23,3 +23,18 @@ def test_single_rank_layout_keeps_the_waves_whole(gpu_test_module, monkeypatch):
     first, second = mod.workload()
     assert mod.dp_share(0, 1, first, second) == (list(range(len(first))),
                                                  list(range(len(first), len(first) + len(second))))
+
+
+def test_the_chunk_sets_the_expected_ladder_and_keeps_every_prompt_within_the_context(gpu_test_module, monkeypatch):
+    # BCG_TEST_CHUNK=16384 is vLLM's default max_num_batched_tokens for LLM on an H200: above the
+    # test's context, which the workload's prompts must still fit (a prompt of CHUNK tokens would not).
+    monkeypatch.setenv("BCG_TEST_CHUNK", "16384")
+    mod = gpu_test_module("test_vllm_gpu")
+    assert mod.CHUNK == 16384 and mod.LADDER_BUCKETS == 72
+    first, second = mod.workload()
+    assert max(map(len, first)) == mod.MAX_LEN
+    assert max(map(len, first + second)) + 4 <= mod.MAX_LEN + 512  # prompt and 4 output tokens in max_model_len
+    monkeypatch.delenv("BCG_TEST_CHUNK")
+    mod = gpu_test_module("test_vllm_gpu")
+    assert mod.CHUNK == 2048 and mod.LADDER_BUCKETS == 40
+    assert 2048 in map(len, mod.workload()[0])  # a prompt of exactly one chunk, an edge
