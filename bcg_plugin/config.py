@@ -33,7 +33,8 @@ class BcgConfig:
         max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded
             tail costs more than the launches a graph saves (pitfall 11). ``None``: always.
         capture_failure: ``"eager"`` keeps the engine serving eagerly (agreed by every rank) when a
-            capture fails for a reason other than out-of-memory; ``"raise"`` fails the boot.
+            capture fails for a reason other than out-of-memory or an error that leaves the GPU
+            unusable (those fail the boot with advice either way); ``"raise"`` fails the boot.
         warmup: ``"every_bucket"`` runs one eager forward at each bucket's size before capturing
             it, so lazy initialisation and per-shape autotuning stay out of every graph;
             ``"first_bucket"`` warms up only the first (largest) bucket and captures the others
