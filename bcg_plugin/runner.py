@@ -119,13 +119,9 @@ class PrefillGraphRunner:
             # them blocks of the pool being torn down, alive in whatever handler keeps records.
             logger.warning("bcg: prefill graph capture failed:\n%s", "".join(traceback.format_exception(e)))
         world = agree_capture_status(status, self._hook.bcg_world_group())
-        if error is not None and not self._device_usable():
-            raise BcgCaptureError(
-                f"bcg prefill graph capture left this rank's GPU unusable ({error!r}): after an error of this "
-                "kind (an illegal memory access, a device-side assert) every later CUDA call fails, eager ones "
-                "too, so the engine cannot fall back to eager prefill; start it without bcg (set 'max_tokens' "
-                "to 0) and report this log"
-            ) from error
+        lost = self._device_lost(error, "capture") if error is not None else None
+        if lost is not None:
+            raise lost from error
         if world is CaptureStatus.OK:
             self.stats.capture_seconds = time.perf_counter() - start
             self.stats.buckets_captured = len(self._graphs)
@@ -179,12 +175,10 @@ class PrefillGraphRunner:
         try:
             self._capture_all(sample, progress=False, after_each=lambda: free.append(self._free_device_bytes()))
         except Exception as e:  # OOM or a failure on any rank alike: the estimate is advisory
-            usable = self._device_usable()
-            if not usable:  # ...unless nothing can run after it, capture nor eager
-                raise BcgCaptureError(
-                    f"bcg's prefill graph memory estimate left this rank's GPU unusable ({e!r}): every later "
-                    "CUDA call fails; start the engine without bcg (set 'max_tokens' to 0) and report this log"
-                ) from e
+            lost = self._device_lost(e, "memory estimate")
+            if lost is not None:  # ...unless nothing can run after it, capture nor eager
+                usable = False
+                raise lost from e
             traceback.clear_frames(e.__traceback__)  # frames would keep blocks of the pool alive
             logger.warning("bcg: could not estimate prefill graph memory (%r); the host sizes its memory "
                            "without bcg's graphs", e)
@@ -199,16 +193,22 @@ class PrefillGraphRunner:
                     "each further one %.1f MiB)", estimate / 2**30, len(self.buckets), first / 2**30, more / 2**20)
         return estimate
 
-    def _device_usable(self) -> bool:
-        """Whether the device still runs work after a failure: a sticky CUDA error (an illegal memory
-        access, a device-side assert) makes every later call on the device fail."""
+    def _device_lost(self, error: BaseException, during: str) -> BcgCaptureError | None:
+        """The error to fail the boot with if ``error``, raised during ``during``, left the device
+        unusable: a sticky CUDA error (an illegal memory access, a device-side assert) makes every
+        later call on the device fail, eager ones too. ``None`` while the device still runs work."""
         if self.device.type != "cuda" or not torch.cuda.is_initialized():  # no device work ran, none broke
-            return True
+            return None
         try:
             torch.cuda.synchronize(self.device)
         except Exception:  # torch.AcceleratorError in torch 2.11; RuntimeError before it
-            return False
-        return True
+            return BcgCaptureError(
+                f"bcg prefill graph {during} left this rank's GPU unusable ({error!r}): after an error of this "
+                "kind (an illegal memory access, a device-side assert) every later CUDA call fails, eager ones "
+                "too, so the engine cannot fall back to eager prefill; start it without bcg (set 'max_tokens' "
+                "to 0) and report this log"
+            )
+        return None
 
     def _free_device_bytes(self) -> int:
         return free_device_bytes(self.device) if self.device.type == "cuda" else 0

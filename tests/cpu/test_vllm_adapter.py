@@ -463,7 +463,7 @@ def test_v1_estimate_runs_on_a_minimal_kv_cache_and_releases_it_while_the_gpu_ru
             if outcome == "raises":
                 raise RuntimeError("boom")
             if outcome == "unusable":  # the core's verdict after a sticky CUDA error
-                raise BcgCaptureError("bcg's prefill graph memory estimate left this rank's GPU unusable")
+                raise BcgCaptureError("bcg prefill graph memory estimate left this rank's GPU unusable")
             return 700
 
         def close(self):
