@@ -38,6 +38,24 @@ _GRAPH_INPUTS = ("input_ids", "positions", "inputs_embeds")
 INSTANCES: weakref.WeakSet = weakref.WeakSet()
 
 
+def step_token_limit(vllm_config: Any, *, log: bool = False) -> int:
+    """The most tokens one step can schedule, and so bcg's top bucket: ``max_num_batched_tokens``,
+    or ``max_num_seqs`` x ``max_model_len`` where that is smaller.
+
+    A request schedules at most ``max_model_len`` tokens a step, and vLLM only warns when the chunk
+    exceeds what ``max_num_seqs`` such requests hold. Buckets above it would never replay, and their
+    capture batches would hold more tokens than the block table has rows for (V2's one-request
+    capture batch reads attention's block ids past the table's end).
+    """
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    limit = vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
+    if limit < chunk and log:
+        logger.info("bcg: prefill graphs up to %d tokens, what max_num_seqs (%d) requests of max_model_len (%d) "
+                    "tokens hold; max_num_batched_tokens (%d) is more than a step can schedule", limit,
+                    vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len, chunk)
+    return min(chunk, limit)
+
+
 def runner_unsupported_reason(model: Any, attn_groups: Any, kv_cache_config: Any) -> str | None:
     """Features only a built runner reveals: attention backends, KV-cache kinds, model inputs."""
     from vllm.v1.kv_cache_interface import AttentionSpec
@@ -60,20 +78,21 @@ class VllmPrefillGraphs:
 
     Attributes:
         host: the hooks (:class:`~bcg_adapters.vllm.host.VllmHost`) the core calls.
-        runner: the core :class:`~bcg_plugin.PrefillGraphRunner` (ladder up to the chunk size).
+        runner: the core :class:`~bcg_plugin.PrefillGraphRunner` (ladder up to the chunk size, or
+            :func:`step_token_limit` where a step can hold fewer tokens).
         stale_metadata: test-only negative control (see ``STALE_METADATA_ENV``).
     """
 
     def __init__(self, host: VllmHost, vllm_config: Any, *, reports: bool = True):
         self.host = host
+        self._reports = reports and _first_tp_rank()
         self.runner = PrefillGraphRunner(
             plugin_manager(*host.plugins()), bcg_config(vllm_config),
-            chunk_size=vllm_config.scheduler_config.max_num_batched_tokens, device=host.device,
+            chunk_size=step_token_limit(vllm_config, log=self._reports), device=host.device,
         )
         self.stale_metadata = os.environ.get(STALE_METADATA_ENV) == "1"
         self._buckets = frozenset()
         self._slot_mapping_probe: tuple[str, int] | None = None
-        self._reports = reports and _first_tp_rank()
         self.reporter = StatsReporter(
             self.runner.stats, logger=logger, interval_s=STATS_LOG_INTERVAL_S if self._reports else 0,
             exporter=host_exporter("vllm:", logger) if self._reports else None,

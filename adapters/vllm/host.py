@@ -184,9 +184,9 @@ class V1Host(VllmHost):
     N as its sequence length, which attention reads through the block table: with N above
     ``max_model_len`` (a chunk larger than the context, e.g. vLLM's 16384 for ``LLM`` on an H200 with
     ``max_model_len=8192``) the last rows' reads run past the table, an illegal memory access that
-    ends the process. The length is capped at ``max_model_len``, which each request's share of a
-    step vLLM can schedule fits in (vLLM holds ``max_num_batched_tokens`` to ``max_num_seqs`` x
-    ``max_model_len``); up to it nothing changes.
+    ends the process. The length is capped at ``max_model_len``, which each request's share of the
+    batch fits in: bcg's buckets stop at ``max_num_seqs`` x ``max_model_len``
+    (:func:`~bcg_adapters.vllm.graphs.step_token_limit`); up to ``max_model_len`` nothing changes.
     """
 
     def __init__(self, runner: Any):

@@ -729,6 +729,44 @@ def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_confi
                                    "profile_seq_lens": seq_len})]
 
 
+@pytest.mark.parametrize("max_num_seqs, max_model_len, chunk, top", [
+    (2, 1024, 8192, 2048),  # vLLM only warns: no step holds more than two requests of 1024 tokens
+    (1, 4096, 16384, 4096),
+    (64, 8704, 16384, 16384),  # the GPU test's engines at vLLM's default chunk for LLM on an H200
+    (256, 8192, 2048, 2048),
+])
+def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, monkeypatch, caplog,
+                                                                max_num_seqs, max_model_len, chunk, top):
+    from vllm.config import SchedulerConfig
+
+    from bcg_adapters.vllm import graphs
+
+    monkeypatch.setattr(model_config, "max_model_len", max_model_len)  # the model config is shared
+    scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, is_encoder_decoder=False)
+    config = make_config(model_config, scheduler_config=scheduler, additional_config={"bcg": {"enable": True}})
+    assert (config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs) == (chunk,
+                                                                                                       max_num_seqs)
+    chunk_sizes = []
+
+    class _Runner:  # the core runner, as far as the adapter hands it the host's chunk
+        def __init__(self, pm, cfg, *, chunk_size, device):
+            chunk_sizes.append(chunk_size)
+            self.stats = types.SimpleNamespace()
+
+    monkeypatch.setattr(graphs, "PrefillGraphRunner", _Runner)
+    monkeypatch.setattr(graphs, "StatsReporter", lambda *a, **k: None)
+    monkeypatch.setattr(graphs, "_first_tp_rank", lambda: True)
+    host = types.SimpleNamespace(plugins=lambda: [], device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        graphs.VllmPrefillGraphs(host, config)
+    assert chunk_sizes == [top]
+    capped = [r.getMessage() for r in bcg_records(caplog) if "more than a step can schedule" in r.getMessage()]
+    assert len(capped) == (top < chunk)
+    if capped:
+        assert f"up to {top} tokens" in capped[0] and str(chunk) in capped[0]
+
+
 # -- stats over collective RPC ----------------------------------------------------------------------
 
 

@@ -38,3 +38,16 @@ def test_the_chunk_sets_the_expected_ladder_and_keeps_every_prompt_within_the_co
     mod = gpu_test_module("test_vllm_gpu")
     assert mod.CHUNK == 2048 and mod.LADDER_BUCKETS == 40
     assert 2048 in map(len, mod.workload()[0])  # a prompt of exactly one chunk, an edge
+
+
+def test_step_limit_workload_fills_the_top_bucket_and_fits_the_context(gpu_test_module):
+    from bcg_plugin.ladder import reference_ladder
+
+    mod = gpu_test_module("test_vllm_step_limit_gpu")
+    assert mod.STEP_LIMIT == mod.MAX_NUM_SEQS * mod.MAX_MODEL_LEN < mod.CHUNK  # a chunk vLLM only warns about
+    prompts = mod.workload()
+    assert len(prompts) == mod.NUM_PROMPTS
+    assert all(len(p) + mod.OUTPUT_TOKENS <= mod.MAX_MODEL_LEN for p in prompts)
+    first_step = sum(map(len, prompts[:mod.MAX_NUM_SEQS]))  # the first two requests' prefills, together
+    assert next(b for b in reference_ladder(mod.STEP_LIMIT) if b >= first_step) == mod.STEP_LIMIT
+    assert len(reference_ladder(mod.STEP_LIMIT)) < len(reference_ladder(mod.CHUNK))
