@@ -2,8 +2,8 @@
 
 Run from the repository root on a CUDA machine with SGLang:
 ``python3 benchmarks/diagnostics/sglang_chunk_above_context.py``.
-bcg's dummy batch for a bucket is one request of that many tokens, more than one request may hold
-here; the buckets above 4096 are captured and then replayed by steps of several prompts. Prints
+bcg's dummy batch for a bucket above 4096 tokens is two requests of at most 4096 (as few as the
+context allows); those buckets are captured and then replayed by steps of several prompts. Prints
 each batch's output lengths and ``OK``; the engine's log shows the capture and the replays.
 """
 import random
