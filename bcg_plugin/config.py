@@ -26,8 +26,10 @@ class BcgConfig:
     Attributes:
         enable: capture and replay prefill graphs at all; off by default so installing the plugin
             changes nothing until a user asks for it.
-        max_tokens: the top bucket. ``None`` means the host's chunk size (no forward exceeds one
-            chunk); ``0`` disables capture, like the hosts' own "0 turns graphs off" convention.
+        max_tokens: the top bucket. ``None`` means the most tokens one host step can run: its chunk
+            size, or less where no step can fill a chunk (vLLM: ``max_num_seqs`` x
+            ``max_model_len``); ``0`` disables capture, like the hosts' own "0 turns graphs off"
+            convention.
         sizes: an explicit bucket list replacing the reference ladder; every size must be
             ``<= max_tokens`` when both are given.
         max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded
