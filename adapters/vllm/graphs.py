@@ -44,8 +44,8 @@ def step_token_limit(vllm_config: Any, *, log: bool = False) -> int:
 
     A request schedules at most ``max_model_len`` tokens a step, and vLLM only warns when the chunk
     exceeds what ``max_num_seqs`` such requests hold. Buckets above it would never replay, and their
-    capture batches would hold more tokens than the block table has rows for (V2's one-request
-    capture batch reads attention's block ids past the table's end).
+    capture batches would hold more tokens than the block table can address (V2's one-request
+    capture batch read attention's block ids past the table's end: an illegal memory access).
     """
     chunk = vllm_config.scheduler_config.max_num_batched_tokens
     limit = vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
