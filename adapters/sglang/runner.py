@@ -165,14 +165,30 @@ class BcgPrefillRunner:
 
 
 def _chunk_size(model_runner: Any) -> int:
-    """No forward exceeds this: SGLang's prefill graph ceiling (its chunked-prefill size)."""
+    """No forward exceeds this: SGLang's prefill graph ceiling (its chunked-prefill size), or the
+    most tokens its request pool's rows can hold where that is less.
+
+    A request extends by at most ``context_len`` tokens a step, and a step holds at most the pool's
+    ``size`` requests (``max_running_requests``, per DP worker). Buckets above that product would
+    never replay, and their capture batches (as few requests of ``context_len`` as the bucket needs)
+    would index request rows past the pool's end.
+    """
     prefill = model_runner.server_args.cuda_graph_config.prefill
     if prefill.max_bs:
-        return int(prefill.max_bs)
-    chunk = model_runner.server_args.chunked_prefill_size
-    if chunk and chunk > 0:
-        return int(chunk)
-    return int(max(prefill.bs))
+        ceiling = int(prefill.max_bs)
+    elif model_runner.server_args.chunked_prefill_size and model_runner.server_args.chunked_prefill_size > 0:
+        ceiling = int(model_runner.server_args.chunked_prefill_size)
+    else:
+        ceiling = int(max(prefill.bs))
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    if pool is None:
+        return ceiling
+    limit = int(pool.size) * int(model_runner.model_config.context_len)
+    if limit < ceiling and getattr(getattr(model_runner, "ps", None), "tp_rank", 0) == 0:
+        logger.info("bcg: prefill graphs up to %d tokens, what %d requests of context_len %d hold; SGLang's "
+                    "prefill ceiling (%d) is more than a step can schedule", limit, pool.size,
+                    model_runner.model_config.context_len, ceiling)
+    return min(ceiling, limit)
 
 
 class _breakable_capture_flag:

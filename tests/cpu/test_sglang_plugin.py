@@ -502,3 +502,33 @@ def test_moe_check_tolerates_a_few_perturbed_positions_and_still_sees_a_stale_re
     for q in (moe, dense):
         assert gpu_test.request_error(_meta(stale), _meta(ref), 1.0, q) == pytest.approx(2.0)
     assert gpu_test.TOL < 0.6
+
+
+@pytest.mark.parametrize("max_bs, pool_rows, context_len, top", [
+    (8192, 2, 2048, 4096),  # --max-running-requests 2 --context-length 2048, SGLang's 8192 chunk on an H200
+    (8192, 1, 4096, 4096),
+    (8192, 2048, 4096, 8192),  # SGLang's own pool sizes (2048-4096 rows) never bind
+    (None, 4, 256, 1024),  # no prefill max_bs: the chunked-prefill size, then the pool
+])
+def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool_rows, context_len, top):
+    """bcg's capture batch for a bucket is as few requests of context_len as it needs, at request rows
+    0, 1, ...: past the pool's rows for a bucket no step can reach."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from bcg_adapters.sglang.runner import _chunk_size
+
+    pool = ReqToTokenPool(size=pool_rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
+    prefill = types.SimpleNamespace(max_bs=max_bs, bs=[16, 32, 64])
+    runner = types.SimpleNamespace(
+        server_args=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(prefill=prefill),
+                                          chunked_prefill_size=8192),
+        req_to_token_pool=pool, model_config=types.SimpleNamespace(context_len=context_len),
+        ps=types.SimpleNamespace(tp_rank=0),
+    )
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert _chunk_size(runner) == top
+    capped = [r.getMessage() for r in caplog.records if "more than a step can schedule" in r.getMessage()]
+    assert len(capped) == (top < 8192)
+    buckets = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True), chunk_size=top, device="cpu").buckets
+    rows_needed = -(-buckets[-1] // context_len)  # the top bucket's capture batch, in request rows
+    assert buckets[-1] == top and rows_needed <= pool.req_to_token.shape[0]
