@@ -128,8 +128,9 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout) -> int:
         elif not config.active:
             say(f"  -> the plugin is installed but off; enable it with {report.enable_hint}")
         else:
-            top = config.max_tokens if config.max_tokens is not None else "the engine's chunk size"
-            say(f"  -> prefill/extend forwards up to {top} tokens replay bcg graphs")
+            top = (f"{config.max_tokens} tokens" if config.max_tokens is not None
+                   else "the engine's chunk size (or the most tokens one step can hold, if less)")
+            say(f"  -> prefill/extend forwards up to {top} replay bcg graphs")
     if not any_host:
         say()
         say("no supported host engine (vLLM, SGLang) is installed: the plugin has nothing to do")

@@ -28,6 +28,8 @@ def test_enabled_config_says_what_the_plugin_will_do():
     pytest.importorskip("vllm")
     rc, text = _run('{"enable": true, "max_tokens": 4096}', engines=["vllm"])
     assert rc == 0 and "up to 4096 tokens replay bcg graphs" in text
+    rc, text = _run('{"enable": true}', engines=["vllm"])  # the top bucket is the engine's to say
+    assert rc == 0 and "up to the engine's chunk size (or the most tokens one step can hold, if less)" in text
 
 
 def test_invalid_config_fails_and_names_the_key():
