@@ -45,8 +45,9 @@ def resolve_buckets(max_tokens: int, sizes: Iterable[int] | None = None) -> list
         raise BcgConfigError(f"sizes must be positive integers, got {list(sizes)!r}")
     if out[-1] > max_tokens:
         raise BcgConfigError(
-            f"sizes {[s for s in out if s > max_tokens]} exceed max_tokens={max_tokens} "
-            "(the host's chunk size caps every forward); drop them or raise max_tokens"
+            f"sizes {[s for s in out if s > max_tokens]} exceed max_tokens={max_tokens}, the top bucket (no "
+            "host step runs more tokens: its chunk size, or what one step can hold if less, caps max_tokens); "
+            "drop them, or raise max_tokens if it was set below that"
         )
     return out
 
