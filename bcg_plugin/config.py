@@ -28,8 +28,8 @@ class BcgConfig:
             changes nothing until a user asks for it.
         max_tokens: the top bucket. ``None`` means the most tokens one host step can run: its chunk
             size, or less where no step can fill a chunk (vLLM: ``max_num_seqs`` x
-            ``max_model_len``; SGLang: its request pool's rows x ``context_length``); ``0`` disables capture, like the hosts' own "0 turns graphs off"
-            convention.
+            ``max_model_len``; SGLang: its request pool's rows x ``context_length``); ``0``
+            disables capture, like the hosts' own "0 turns graphs off" convention.
         sizes: an explicit bucket list replacing the reference ladder; every size must be
             ``<= max_tokens`` when both are given.
         max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded

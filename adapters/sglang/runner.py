@@ -174,10 +174,11 @@ def _chunk_size(model_runner: Any) -> int:
     would index request rows past the pool's end.
     """
     prefill = model_runner.server_args.cuda_graph_config.prefill
+    chunk = model_runner.server_args.chunked_prefill_size
     if prefill.max_bs:
         ceiling = int(prefill.max_bs)
-    elif model_runner.server_args.chunked_prefill_size and model_runner.server_args.chunked_prefill_size > 0:
-        ceiling = int(model_runner.server_args.chunked_prefill_size)
+    elif chunk and chunk > 0:
+        ceiling = int(chunk)
     else:
         ceiling = int(max(prefill.bs))
     pool = getattr(model_runner, "req_to_token_pool", None)
