@@ -3,22 +3,28 @@
 Where a mode's host time goes when a forward is launch-bound: how many CUDA runtime calls (graph
 launches, kernel launches, copies) and which torch ops it issues, under ``torch.profiler``. Where
 it is GPU-bound, which kernels take the device time (kernels replayed from CUDA graphs included).
-Every mode of a run profiles the forward of the same N-token request the same way, so they compare
-with each other; the profiler's overhead makes its host time no match for the timed ones. The
-profiled forward comes from one extra request after the timed ones, so no median includes it.
+Where two modes issue the same runtime calls and ops but one takes longer on the host, the Python
+functions each one calls in that forward (``sys.setprofile``, counted by package and by function) show
+what else it runs. Every mode of a run profiles the forward of the same N-token request the same way,
+so they compare with each other; the profilers' overhead makes its host time no match for the timed
+ones. The profiled forward comes from one extra request after the timed ones, so no median includes it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 PROFILE_TOKENS_ENV = "BCG_BENCH_PROFILE_TOKENS"
 TOP_OPS = 25  # ops kept per profile, by host time spent in the op itself
 TOP_KERNELS = 12  # kernels kept per profile, by device time: a few per layer type of a transformer
 CUDA_RUNTIME_PREFIX = "cuda"  # the runtime API calls (cudaGraphLaunch, cudaLaunchKernel, ...) torch records
+TOP_PYTHON = 12  # Python functions kept per profile, by calls: the per-layer ones of a 28-layer model and more
 
 
 class ForwardProfiler:
@@ -59,13 +65,75 @@ class ForwardProfiler:
 
         # CUDA activity (CUPTI) adds the runtime calls; without it only torch ops are seen.
         activities = [a for a in (ProfilerActivity.CPU, ProfilerActivity.CUDA) if a in supported_activities()]
+        calls = PythonCalls()
         with profile(activities=activities) as prof:
             start = time.perf_counter()
-            yield
+            with calls.counting():
+                yield
             host_ms = (time.perf_counter() - start) * 1e3
             if torch.cuda.is_available():  # the forward's kernels end inside the profile
                 torch.cuda.synchronize()
         self.summary = summarize(prof.key_averages(), host_ms, [a.name for a in activities], self.tokens, num_tokens)
+        self.summary.update(calls.summary())
+
+
+class PythonCalls:
+    """The Python functions one thread calls inside :meth:`counting`, by file and name (``sys.setprofile``).
+
+    Counts, not times: the hook itself costs more than most of the calls it counts, but every mode
+    pays it per call alike, so the counts say which mode runs more Python per forward, and where.
+    """
+
+    def __init__(self) -> None:
+        self.by_function: collections.Counter = collections.Counter()
+
+    def _hook(self, frame, event: str, arg) -> None:
+        if event == "call":  # Python frames only ("c_call" are builtins, counted under their caller)
+            code = frame.f_code
+            self.by_function[(code.co_filename, code.co_name)] += 1
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        previous = sys.getprofile()
+        sys.setprofile(self._hook)
+        try:
+            yield
+        finally:
+            sys.setprofile(previous)
+
+    def summary(self, roots: list[str] | None = None) -> dict:
+        """``python_calls`` (all), ``python_calls_by_package`` and the most called ``top_python_calls``."""
+        roots = sorted({str(Path(r).resolve()) for r in (sys.path if roots is None else roots) if r},
+                       key=len, reverse=True)
+        by_package: collections.Counter = collections.Counter()
+        named: collections.Counter = collections.Counter()
+        for (filename, name), count in self.by_function.items():
+            package = package_of(filename, roots)
+            by_package[package] += count
+            named[f"{package}:{Path(filename).stem}.{name}"] += count
+        return {
+            "python_calls": sum(by_package.values()),
+            "python_calls_by_package": dict(by_package.most_common()),
+            "top_python_calls": [{"name": k, "count": c} for k, c in named.most_common(TOP_PYTHON)],
+        }
+
+
+def package_of(filename: str, roots: list[str]) -> str:
+    """The top-level package (or module) ``filename`` belongs to: the first path part below the
+    longest of ``roots`` (``sys.path``) that holds it; this project's adapters as ``bcg_adapters``."""
+    if filename.startswith("<"):
+        return filename  # <frozen importlib._bootstrap>, <string>: no file
+    path = Path(filename)
+    resolved = str(path.resolve())
+    for root in roots:
+        if resolved.startswith(root + os.sep):
+            top = Path(resolved[len(root) + 1:]).parts[0].removesuffix(".py")
+            return "bcg_adapters" if top == "adapters" else top
+    # Not below sys.path (an editable install's import hook): this project's own parts by their directory.
+    for mine, package in (("bcg_plugin", "bcg_plugin"), ("adapters", "bcg_adapters")):
+        if mine in path.parts[:-1]:
+            return package
+    return path.parent.name or path.stem
 
 
 def summarize(averages, host_ms: float, activities: list[str], tokens: int, forward_rows: int) -> dict:
@@ -102,15 +170,23 @@ def markdown(modes: dict) -> list[str]:
     title = f"## Host profile of the forward of one {tokens}-token request (torch.profiler, its overhead included)"
     lines = [title, "",
              "Rows: the forward's rows as the engine's forward timer saw them (vLLM's: the bucket N pads to).", "",
-             "| mode | rows | host ms | torch ops | " + " | ".join(calls) + (" | " if calls else "")
+             "| mode | rows | host ms | torch ops | Python calls | " + " | ".join(calls) + (" | " if calls else "")
              + "costliest op (self CPU µs) |",
-             "|---|---|---|---|" + "---|" * len(calls) + "---|"]
+             "|---|---|---|---|---|" + "---|" * len(calls) + "---|"]
     for m, p in profiled.items():
         top = p["top_self_cpu_us"][0] if p["top_self_cpu_us"] else None
         cells = [str(p.get("forward_rows", tokens)), f"{p['host_ms']:.2f}", str(p["aten_ops"]),
+                 str(p.get("python_calls", "-")),
                  *(str(p["cuda_runtime_calls"].get(k, 0)) for k in calls),
                  f"{top['name']} x{top['count']}: {top['self_cpu_us']:.0f}" if top else "-"]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    python = {m: p for m, p in profiled.items() if p.get("python_calls_by_package")}
+    if python:
+        lines += ["", "Python function calls in that forward, by package, and the most called functions:", ""]
+        for m, p in python.items():
+            packages = ", ".join(f"{k} {c}" for k, c in list(p["python_calls_by_package"].items())[:6])
+            top = "; ".join(f"{f['name']} x{f['count']}" for f in p.get("top_python_calls", [])[:6])
+            lines.append(f"- {m}: {packages}. Most called: {top}")
     kernels = {m: p for m, p in profiled.items() if p.get("top_device_us")}
     if kernels:
         lines += ["", "Kernels with the most device time in that forward (µs, summed over their calls):", ""]

@@ -80,8 +80,8 @@ def test_the_report_compares_the_profiled_modes_and_names_the_others():
              "bcg": {"e2e_ms": {"16": 1.0}, "host_profile": summary(29, 61)},
              "eager": {"e2e_ms": {"16": 1.0}, "host_profile": None}}
     table = "\n".join(profile.markdown(modes))
-    assert "| mode | rows | host ms | torch ops | cudaLaunchKernel | cudaGraphLaunch | costliest op" in table
-    assert "| bcg | 16 | 2.50 | 40 | 61 | 29 | aten::copy_ x3: 21 |" in table
+    assert "| mode | rows | host ms | torch ops | Python calls | cudaLaunchKernel | cudaGraphLaunch | costliest op" in table
+    assert "| bcg | 16 | 2.50 | 40 | - | 61 | 29 | aten::copy_ x3: 21 |" in table
     assert "Not profiled (no forward of 16 or more rows in this process): eager." in table
     assert profile.markdown({"bcg": {"e2e_ms": {"16": 1.0}}}) == []
 
@@ -91,7 +91,7 @@ def test_runtime_calls_with_equal_counts_are_columns_in_name_order():
              "cudaLaunchKernel": 28}
     modes = {"bcg": {"e2e_ms": {"16": 1.0}, "host_profile": {
         "tokens": 16, "host_ms": 2.5, "aten_ops": 40, "cuda_runtime_calls": calls, "top_self_cpu_us": []}}}
-    header = "| mode | rows | host ms | torch ops | cudaGraphLaunch | cudaStreamIsCapturing | cudaFuncSetAttribute | " \
+    header = "| mode | rows | host ms | torch ops | Python calls | cudaGraphLaunch | cudaStreamIsCapturing | cudaFuncSetAttribute | " \
              "cudaLaunchKernel | costliest op"
     assert header in "\n".join(profile.markdown(modes))
 
@@ -128,3 +128,33 @@ def test_the_vllm_forward_timer_profiles_the_armed_forward(monkeypatch):
     assert len(timers.forwards) == 2  # both forwards timed as before
     assert timers.profiler.summary["tokens"] == 4 and "aten::mul" in {
         op["name"] for op in timers.profiler.summary["top_self_cpu_us"]}
+
+
+def _layer(x: torch.Tensor) -> torch.Tensor:
+    return x.mul(2)
+
+
+def test_the_profile_counts_the_python_calls_of_the_forward_by_package_and_function():
+    profiler = ForwardProfiler(16, armed=lambda: True)
+    with profiler.around(16):
+        x = torch.ones(16, 8)
+        for _ in range(28):
+            x = _layer(x)
+    summary = profiler.summary
+    assert summary["python_calls"] >= 28
+    mine = next(f for f in summary["top_python_calls"] if f["name"].endswith("test_bench_profile._layer"))
+    assert mine["count"] == 28  # counted once per call, not per line or return
+    assert sum(summary["python_calls_by_package"].values()) == summary["python_calls"]
+    table = "\n".join(profile.markdown({"bcg": {"e2e_ms": {"16": 1.0}, "host_profile": summary}}))
+    assert f"| bcg | 16 | {summary['host_ms']:.2f} | {summary['aten_ops']} | {summary['python_calls']} |" in table
+    assert "test_bench_profile._layer x28" in table
+
+
+def test_python_calls_are_named_by_the_package_below_the_longest_path_root(tmp_path):
+    site = tmp_path / "site"
+    roots = sorted([str(tmp_path), str(site)], key=len, reverse=True)
+    assert profile.package_of(str(site / "vllm" / "forward_context.py"), roots) == "vllm"
+    assert profile.package_of(str(site / "contextlib.py"), roots) == "contextlib"
+    assert profile.package_of(str(tmp_path / "adapters" / "vllm" / "graphs.py"), roots) == "bcg_adapters"
+    assert profile.package_of("/elsewhere/repo/bcg_plugin/runner.py", roots) == "bcg_plugin"
+    assert profile.package_of("<frozen importlib._bootstrap>", roots) == "<frozen importlib._bootstrap>"
