@@ -171,7 +171,8 @@ def _chunk_size(model_runner: Any) -> int:
     A request extends by at most ``context_len`` tokens a step, and a step holds at most the pool's
     ``size`` requests (``max_running_requests``, per DP worker). Buckets above that product would
     never replay, and their capture batches (as few requests of ``context_len`` as the bucket needs)
-    would index request rows past the pool's end.
+    would hold more requests than the pool: the attention backend's per-request metadata is sized
+    for the pool, so the top bucket's capture failed there and left every prefill eager.
     """
     prefill = model_runner.server_args.cuda_graph_config.prefill
     chunk = model_runner.server_args.chunked_prefill_size

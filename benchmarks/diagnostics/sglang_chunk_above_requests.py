@@ -4,9 +4,11 @@
 Run from the repository root on a CUDA machine with SGLang, with ``BCG_STATS_INTERVAL_S=1`` to see
 bcg's stats lines: ``python3 benchmarks/diagnostics/sglang_chunk_above_requests.py``.
 bcg's ladder stops at 4096 (48 buckets, not the chunk's 56): a bucket above it would never replay,
-and its capture batch (as few requests of 2048 tokens as it needs) would index request rows past
-the pool's three. The first batch, two prompts of 2000 tokens, is one step at the 4096-token
-bucket. Prints each batch's output lengths and ``OK``; a smoke run, no comparison against eager.
+and its capture batch (as few requests of 2048 tokens as it needs) needs more requests than the
+pool holds: with the ladder built to the chunk, the 8192-token bucket's capture fails in the triton
+backend's attention metadata and every prefill runs eagerly. The first batch, two prompts of 2000
+tokens, is one step at the 4096-token bucket. Prints each batch's output lengths and ``OK``; a smoke
+run, no comparison against eager (SGLang's log says ``cuda graph: True`` for each replayed step).
 """
 import random
 
