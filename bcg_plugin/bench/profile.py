@@ -88,7 +88,7 @@ class PythonCalls:
         self.by_function: collections.Counter = collections.Counter()
 
     def _hook(self, frame, event: str, arg) -> None:
-        if event == "call":  # Python frames only ("c_call" are builtins, counted under their caller)
+        if event == "call":  # Python frames only: builtins ("c_call") are not counted
             code = frame.f_code
             self.by_function[(code.co_filename, code.co_name)] += 1
 
