@@ -53,7 +53,7 @@ class BcgPrefillRunner:
         with graph_capture() as ctx:
             host.capture_stream = ctx.stream
             with _breakable_capture_flag():
-                self.core.capture(progress=getattr(getattr(model_runner, "ps", None), "tp_rank", 0) == 0)
+                self.core.capture(progress=_first_tp_rank(model_runner))
         host.capture_stream = None
         if self.core.captured:
             # SGLang's DP MAX_LEN padding compares against this list: keep it equal to bcg's ladder.
@@ -186,11 +186,16 @@ def _chunk_size(model_runner: Any) -> int:
     if pool is None:
         return ceiling
     limit = int(pool.size) * int(model_runner.model_config.context_len)
-    if limit < ceiling and getattr(getattr(model_runner, "ps", None), "tp_rank", 0) == 0:
+    if limit < ceiling and _first_tp_rank(model_runner):
         logger.info("bcg: prefill graphs up to %d tokens, what %d requests of context_len %d hold; SGLang's "
                     "prefill ceiling (%d) is more than a step can schedule", limit, pool.size,
                     model_runner.model_config.context_len, ceiling)
     return min(ceiling, limit)
+
+
+def _first_tp_rank(model_runner: Any) -> bool:
+    """Whether this is the TP group's first rank, the one that logs and shows progress for all."""
+    return getattr(getattr(model_runner, "ps", None), "tp_rank", 0) == 0
 
 
 class _breakable_capture_flag:
