@@ -120,7 +120,11 @@ class PythonCalls:
 
 def package_of(filename: str, roots: list[str]) -> str:
     """The top-level package (or module) ``filename`` belongs to: the first path part below the
-    longest of ``roots`` (``sys.path``) that holds it; this project's adapters as ``bcg_adapters``."""
+    first of ``roots`` that holds it; this project's adapters as ``bcg_adapters``.
+
+    ``roots``: ``sys.path``'s entries, resolved and longest first (as :meth:`PythonCalls.summary`
+    passes them), so a file is named below the deepest root that holds it.
+    """
     if filename.startswith("<"):
         return filename  # <frozen importlib._bootstrap>, <string>: no file
     path = Path(filename)
