@@ -260,6 +260,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
     for mine in ("bcg", "bcg_compile"):
         lines += _ratio_sections(good, sizes, mine, run_order, fastest)
+        lines += _equal_speed_section(good, result.get("replaced") or [], sizes, mine)
     lines += hostspeed.markdown(run_order)
     if result.get("replaced"):
         lines += ["Run again because the probe flagged them slow when they ended (kept in the result file under "
@@ -349,6 +350,43 @@ def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fa
                   "modes. Columns name how many rounds were kept.", ""]
         lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
     return lines
+
+
+def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], mine: str) -> list[str]:
+    """``mine``'s e2e over each other mode's (the host's own modes only, for ``bcg_compile``) at
+    equal host speed: each mode's latency at N fitted against its processes' probes, read at the
+    fastest probe among them. Every process counts, those the probe had run again included: they were
+    replaced for their host speed, which the fit accounts for. Empty unless ``mine`` and another mode
+    have ``hostspeed.MIN_FIT_PROCESSES`` probed processes."""
+    if mine not in good:
+        return []
+    only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
+    processes = {m: [r for r in (d.get("rounds") or [d]) + [x for x in replaced if x.get("mode") == m]
+                     if "e2e_ms" in r and r.get("host_speed")]
+                 for m, d in good.items() if m == mine or only is None or m in only}
+    fitted = {m: runs for m, runs in processes.items() if len(runs) >= hostspeed.MIN_FIT_PROCESSES}
+    if mine not in fitted or len(fitted) < 2:
+        return []
+    probe = min(r["host_speed"]["probe_us"] for runs in fitted.values() for r in runs)
+
+    def points(mode: str, n: str) -> list[tuple[float, float]]:
+        found = [(r["host_speed"]["probe_us"], r["e2e_ms"][n]) for r in fitted[mode] if n in r["e2e_ms"]]
+        return found if len(found) == len(fitted[mode]) else []
+
+    columns = {f"{mine} / {m} ({len(fitted[mine])} and {len(runs)} processes)": {
+        n: _ratio(hostspeed.latency_at(points(mine, n), probe), hostspeed.latency_at(points(m, n), probe))
+        for n in sizes} for m, runs in fitted.items() if m != mine}
+    quality = "; ".join(f"{m} " + "/".join(_fmt(hostspeed.fit_quality(points(m, n))) for n in sizes)
+                        for m in sorted(fitted, key=lambda m: m != mine))
+    title = "" if mine == "bcg" else f" of {mine}"
+    return [f"## End-to-end ratios{title} at equal host speed (below 1: {mine} faster)", "",
+            "Small-N latency follows the host probe from process to process. Per mode and N, a least-squares line "
+            "of each process's latency against its probe (processes run again included), read at the fastest "
+            f"probe among them ({probe:.0f} µs): the modes compared on the same host speed, not by which of "
+            f"their processes landed on a fast host. A mode needs {hostspeed.MIN_FIT_PROCESSES} or more probed "
+            "processes.", "", *_table(sizes, columns, 3), "",
+            f"Correlation of latency with probe, per N ({', '.join(sizes)}); near 1, host speed explains a "
+            f"mode's spread and the line holds: {quality}.", ""]
 
 
 def _bcg_ratios(good: dict, key: str, sizes: list[str], mine: str = "bcg",
