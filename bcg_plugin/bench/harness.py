@@ -355,9 +355,10 @@ def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fa
 def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], mine: str) -> list[str]:
     """``mine``'s e2e over each other mode's (the host's own modes only, for ``bcg_compile``) at
     equal host speed: each mode's latency at N fitted against its processes' probes, read at the
-    fastest probe among them. Every process counts, those the probe had run again included: they were
-    replaced for their host speed, which the fit accounts for. Empty unless ``mine`` and another mode
-    have ``hostspeed.MIN_FIT_PROCESSES`` probed processes."""
+    fastest probe among them; then the forward's host time read the same way, which places the
+    end-to-end gap inside the forward or outside it. Every process counts, those the probe had run
+    again included: they were replaced for their host speed, which the fit accounts for. Empty
+    unless ``mine`` and another mode have ``hostspeed.MIN_FIT_PROCESSES`` probed processes."""
     if mine not in good:
         return []
     only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
@@ -369,24 +370,34 @@ def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], min
         return []
     probe = min(r["host_speed"]["probe_us"] for runs in fitted.values() for r in runs)
 
-    def points(mode: str, n: str) -> list[tuple[float, float]]:
-        found = [(r["host_speed"]["probe_us"], r["e2e_ms"][n]) for r in fitted[mode] if n in r["e2e_ms"]]
+    def points(mode: str, key: str, n: str) -> list[tuple[float, float]]:
+        found = [(r["host_speed"]["probe_us"], r[key][n]) for r in fitted[mode] if n in (r.get(key) or {})]
         return found if len(found) == len(fitted[mode]) else []
 
-    columns = {f"{mine} / {m} ({len(fitted[mine])} and {len(runs)} processes)": {
-        n: _ratio(hostspeed.latency_at(points(mine, n), probe), hostspeed.latency_at(points(m, n), probe))
-        for n in sizes} for m, runs in fitted.items() if m != mine}
-    quality = "; ".join(f"{m} " + "/".join(_fmt(hostspeed.fit_quality(points(m, n))) for n in sizes)
-                        for m in sorted(fitted, key=lambda m: m != mine))
+    def tables(key: str) -> list[str]:
+        columns = {f"{mine} / {m} ({len(fitted[mine])} and {len(runs)} processes)": {
+            n: _ratio(hostspeed.latency_at(points(mine, key, n), probe), hostspeed.latency_at(points(m, key, n), probe))
+            for n in sizes} for m, runs in fitted.items() if m != mine}
+        if all(v is None for c in columns.values() for v in c.values()):
+            return []
+        quality = "; ".join(f"{m} " + "/".join(_fmt(hostspeed.fit_quality(points(m, key, n))) for n in sizes)
+                            for m in sorted(fitted, key=lambda m: m != mine))
+        return [*_table(sizes, columns, 3), "",
+                f"Correlation with probe, per N ({', '.join(sizes)}); near 1, host speed explains a mode's spread "
+                f"and the line holds: {quality}.", ""]
+
     title = "" if mine == "bcg" else f" of {mine}"
-    return [f"## End-to-end ratios{title} at equal host speed (below 1: {mine} faster)", "",
-            "Small-N latency follows the host probe from process to process. Per mode and N, a least-squares line "
-            "of each process's latency against its probe (processes run again included), read at the fastest "
-            f"probe among them ({probe:.0f} µs): the modes compared on the same host speed, not by which of "
-            f"their processes landed on a fast host. A mode needs {hostspeed.MIN_FIT_PROCESSES} or more probed "
-            "processes.", "", *_table(sizes, columns, 3), "",
-            f"Correlation of latency with probe, per N ({', '.join(sizes)}); near 1, host speed explains a "
-            f"mode's spread and the line holds: {quality}.", ""]
+    lines = [f"## End-to-end ratios{title} at equal host speed (below 1: {mine} faster)", "",
+             "Small-N latency follows the host probe from process to process. Per mode and N, a least-squares line "
+             "of each process's latency against its probe (processes run again included), read at the fastest "
+             f"probe among them ({probe:.0f} µs): the modes compared on the same host speed, not by which of "
+             f"their processes landed on a fast host. A mode needs {hostspeed.MIN_FIT_PROCESSES} or more probed "
+             "processes.", "", *tables("e2e_ms")]
+    forward = tables("forward_host_ms")
+    if forward:
+        lines += ["The host time issuing the model forward, read the same way: the part of the end-to-end ratio "
+                  "that lies in the forward.", "", *forward]
+    return lines
 
 
 def _bcg_ratios(good: dict, key: str, sizes: list[str], mine: str = "bcg",

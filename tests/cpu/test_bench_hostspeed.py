@@ -147,6 +147,7 @@ def test_latency_at_reads_a_least_squares_line_at_the_given_probe():
 
 
 EQUAL_SPEED = "## End-to-end ratios at equal host speed"
+FORWARD_AT_EQUAL_SPEED = "The host time issuing the model forward, read the same way"
 
 
 def test_equal_speed_ratios_compare_modes_at_the_same_probe_not_by_their_luckiest_process(tmp_path, monkeypatch):
@@ -161,6 +162,28 @@ def test_equal_speed_ratios_compare_modes_at_the_same_probe_not_by_their_luckies
     assert "fastest probe among them (1000 µs)" in section
     assert "| N | bcg / native (3 and 3 processes) |" in section and "| 16 | 0.980 |" in section
     assert "bcg 1.00; native 1.00." in section
+    assert FORWARD_AT_EQUAL_SPEED not in section  # no mode timed its forward's host time
+
+
+def test_equal_speed_section_places_the_gap_inside_the_forward_or_outside_it(tmp_path, monkeypatch):
+    # End to end bcg is 2% faster at equal speed; its forward's host time alone is 4% slower.
+    probes = {"bcg": [1300.0, 1400.0, 1500.0], "native": [1000.0, 1100.0, 1200.0]}
+    scale = {"bcg": (0.005, 0.0026), "native": (0.0051, 0.0025)}  # ms per probe µs: e2e, forward host time
+    seen = {"bcg": 0, "native": 0}
+
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+        probe = probes[mode][seen[mode]]
+        seen[mode] += 1
+        e2e, forward = scale[mode]
+        return {"e2e_ms": {str(n): e2e * probe for n in sizes}, "forward_host_ms": {str(n): forward * probe for n in sizes},
+                "host_speed": _speed(probe)}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path, 10, rounds=3)
+    section = path.with_name(path.name.replace(".json", ".md")).read_text().split(EQUAL_SPEED)[1].split("## Host")[0]
+    e2e, forward = section.split(FORWARD_AT_EQUAL_SPEED)
+    assert "| 16 | 0.980 |" in e2e and "| 16 | 1.040 |" in forward
 
 
 def test_equal_speed_ratios_count_processes_run_again_and_need_three_per_mode(tmp_path, monkeypatch):
