@@ -259,8 +259,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     run_order = _processes(result)
     fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
     for mine in ("bcg", "bcg_compile"):
-        lines += _ratio_sections(good, sizes, mine, run_order, fastest)
-        lines += _equal_speed_section(good, result.get("replaced") or [], sizes, mine)
+        lines += _ratio_sections(good, sizes, mine, run_order, fastest, result.get("replaced") or [])
     lines += hostspeed.markdown(run_order)
     if result.get("replaced"):
         lines += ["Run again because the probe flagged them slow when they ended (kept in the result file under "
@@ -321,9 +320,11 @@ def _processes(result: dict) -> list[tuple[str, int, dict | None]]:
     return processes
 
 
-def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fastest: float | None) -> list[str]:
+def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fastest: float | None,
+                    replaced: list[dict]) -> list[str]:
     """The ratio tables of bcg mode ``mine`` against the other modes (``bcg_compile``: against the
-    host's own modes only): per-N minimum, paired by round, and paired over unflagged rounds."""
+    host's own modes only): per-N minimum, paired by round, paired over unflagged rounds, and at
+    equal host speed (``replaced``: the processes the probe had run again)."""
     if mine not in good or len(good) < 2:
         return []
     only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
@@ -349,19 +350,17 @@ def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fa
                   "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
                   "modes. Columns name how many rounds were kept.", ""]
         lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
-    return lines
+    return lines + _equal_speed_section(good, replaced, sizes, mine, only, title)
 
 
-def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], mine: str) -> list[str]:
-    """``mine``'s e2e over each other mode's (the host's own modes only, for ``bcg_compile``) at
-    equal host speed: each mode's latency at N fitted against its processes' probes, read at the
-    fastest probe among them; then the forward's host time read the same way, which places the
+def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], mine: str,
+                         only: set[str] | None, title: str) -> list[str]:
+    """``mine``'s e2e over each other mode's (those in ``only``, if given) at equal host speed:
+    each mode's latency at N fitted against its processes' probes, read at the fastest probe
+    among them; then the forward's host time read the same way, which places the
     end-to-end gap inside the forward or outside it. Every process counts, those the probe had run
     again included: they were replaced for their host speed, which the fit accounts for. Empty
     unless ``mine`` and another mode have ``hostspeed.MIN_FIT_PROCESSES`` probed processes."""
-    if mine not in good:
-        return []
-    only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
     processes = {m: [r for r in (d.get("rounds") or [d]) + [x for x in replaced if x.get("mode") == m]
                      if "e2e_ms" in r and r.get("host_speed")]
                  for m, d in good.items() if m == mine or only is None or m in only}
@@ -386,7 +385,6 @@ def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], min
                 f"Correlation with probe, per N ({', '.join(sizes)}); near 1, host speed explains a mode's spread "
                 f"and the line holds: {quality}.", ""]
 
-    title = "" if mine == "bcg" else f" of {mine}"
     lines = [f"## End-to-end ratios{title} at equal host speed (below 1: {mine} faster)", "",
              "Small-N latency follows the host probe from process to process. Per mode and N, a least-squares line "
              "of each process's latency against its probe (processes run again included), read at the fastest "

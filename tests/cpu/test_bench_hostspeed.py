@@ -71,13 +71,16 @@ def test_the_run_report_lists_processes_in_run_order_with_their_round(tmp_path, 
         "e2e 16:5.00 (host probe 900 µs)")
 
 
-def _run_with(tmp_path, monkeypatch, e2e, probes, rounds):
+def _run_with(tmp_path, monkeypatch, e2e, probes, rounds, forward_host=None):
     seen = {m: 0 for m in e2e}
 
     def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
         k = seen[mode]
         seen[mode] += 1
-        return {"e2e_ms": {str(n): e2e[mode][k] for n in sizes}, "host_speed": _speed(probes[mode][k])}
+        data = {"e2e_ms": {str(n): e2e[mode][k] for n in sizes}, "host_speed": _speed(probes[mode][k])}
+        if forward_host:
+            data["forward_host_ms"] = {str(n): forward_host[mode][k] for n in sizes}
+        return data
 
     monkeypatch.setattr(harness, "run_mode", fake_run_mode)
     monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
@@ -168,21 +171,12 @@ def test_equal_speed_ratios_compare_modes_at_the_same_probe_not_by_their_luckies
 def test_equal_speed_section_places_the_gap_inside_the_forward_or_outside_it(tmp_path, monkeypatch):
     # End to end bcg is 2% faster at equal speed; its forward's host time alone is 4% slower.
     probes = {"bcg": [1300.0, 1400.0, 1500.0], "native": [1000.0, 1100.0, 1200.0]}
-    scale = {"bcg": (0.005, 0.0026), "native": (0.0051, 0.0025)}  # ms per probe µs: e2e, forward host time
-    seen = {"bcg": 0, "native": 0}
-
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
-        probe = probes[mode][seen[mode]]
-        seen[mode] += 1
-        e2e, forward = scale[mode]
-        return {"e2e_ms": {str(n): e2e * probe for n in sizes}, "forward_host_ms": {str(n): forward * probe for n in sizes},
-                "host_speed": _speed(probe)}
-
-    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
-    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
-    path = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path, 10, rounds=3)
-    section = path.with_name(path.name.replace(".json", ".md")).read_text().split(EQUAL_SPEED)[1].split("## Host")[0]
-    e2e, forward = section.split(FORWARD_AT_EQUAL_SPEED)
+    md = _run_with(tmp_path, monkeypatch,
+                   {"bcg": [0.005 * p for p in probes["bcg"]], "native": [0.0051 * p for p in probes["native"]]},
+                   probes, rounds=3,
+                   forward_host={"bcg": [0.0026 * p for p in probes["bcg"]],
+                                 "native": [0.0025 * p for p in probes["native"]]})
+    e2e, forward = md.split(EQUAL_SPEED)[1].split("## Host")[0].split(FORWARD_AT_EQUAL_SPEED)
     assert "| 16 | 0.980 |" in e2e and "| 16 | 1.040 |" in forward
 
 
