@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -53,6 +54,16 @@ _capture_holds: contextvars.ContextVar[BreakArgumentHolds | None] = contextvars.
     "bcg_capture_holds", default=None
 )
 _capture_scrub: contextvars.ContextVar[RowScrub | None] = contextvars.ContextVar("bcg_capture_scrub", default=None)
+# A break's replay step -> the function it wraps: what replay calls when the graph zeroes every
+# padded row itself, so the step's check of the live batch would find nothing to do.
+_plain_calls: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+
+def plain_call(step: Callable[..., Any]) -> Callable[..., Any]:
+    """The call a replay may make in place of a break's recorded ``step`` when no padded row below
+    the graph's scrub is left to zero: the break's own function (``step`` itself if it is not one of
+    :func:`eager_break`'s)."""
+    return _plain_calls.get(step, step)
 
 
 def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] = ()) -> Callable[..., Any]:
@@ -95,6 +106,7 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
                 holds.keep(args, kwargs)
             return result
 
+        _plain_calls[step] = fn
         broken = no_graph(step, capture_stub=capture_step)
         if not positions:
             return broken

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment, breakable_graph
 
-from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, _capture_scrub
+from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, _capture_scrub, plain_call
 from bcg_plugin.padding import RowScrub
 from bcg_plugin.pool import GraphPool
 
@@ -75,11 +75,12 @@ def default_capture_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream if stream.device_index == index else None
 
 
-def _replay_step(segment: torch.cuda.CUDAGraph | _EagerSegment) -> Callable[[], None]:
+def _replay_step(segment: torch.cuda.CUDAGraph | _EagerSegment, *, plain: bool) -> Callable[[], None]:
     # An eager segment's call bound up front: replay then calls the break directly, as vLLM's own
     # breakable graphs do, instead of through the segment's replay method (one frame per break).
     if isinstance(segment, _EagerSegment):
-        return functools.partial(segment.fn, *segment.args, **segment.kwargs)
+        fn = plain_call(segment.fn) if plain else segment.fn
+        return functools.partial(fn, *segment.args, **segment.kwargs)
     return segment.replay
 
 
@@ -87,24 +88,31 @@ class SegmentedGraph:
     """A captured bucket: its graph segments and eager breaks, and what its breaks must keep alive.
 
     Replay walks one flat tuple of calls (segment replays and bound breaks) built once at capture.
+    There are two such tuples. In the usual replay the graph zeroes every padded row itself
+    (:mod:`bcg_plugin.padding`), so each break is the host's own call, as in the host's breakable
+    graphs. A batch padded below the graph's scrub (a data-parallel rank padded to its peers'
+    bucket) replays the breaks' recorded steps instead, which zero those rows after each call.
     """
 
     def __init__(self, graph: BreakableCUDAGraph, holds: BreakArgumentHolds) -> None:
         self._graph = graph
         self._holds = holds
-        self._steps = tuple(_replay_step(segment) for segment in graph._segments)
+        self._steps = tuple(_replay_step(segment, plain=True) for segment in graph._segments)
+        self._zeroing_steps = tuple(_replay_step(segment, plain=False) for segment in graph._segments)
 
     @property
     def num_segments(self) -> int:
         return len(self._graph._segments)
 
-    def replay(self) -> None:
-        for step in self._steps:
+    def replay(self, *, breaks_zero_padding: bool = False) -> None:
+        """Replay segments and breaks; ``breaks_zero_padding``: the batch has padded rows below the
+        graph's scrub, which the breaks zero (the live batch bound around the replay names them)."""
+        for step in self._zeroing_steps if breaks_zero_padding else self._steps:
             step()
 
     def release(self) -> None:
         # Graphs first, then the blocks they point at (pitfall 10).
-        self._steps = ()
+        self._steps = self._zeroing_steps = ()
         self._graph.reset()
         self._holds.clear()
 

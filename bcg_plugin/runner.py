@@ -374,8 +374,9 @@ class PrefillGraphRunner:
             if embedded:
                 batch.inputs = {**batch.inputs, **embedded}
         self._land(batch, bucket)
-        with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload, self._padded.start(bucket))):
-            graph.replay()
+        scrub_start = self._padded.start(bucket)
+        with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload, scrub_start)):
+            graph.replay(breaks_zero_padding=batch.num_tokens < scrub_start)
         requested = batch.num_tokens if batch.requested_tokens is None else batch.requested_tokens
         self.stats.record_replay(bucket, requested)
         hidden = self._output[: batch.num_tokens]

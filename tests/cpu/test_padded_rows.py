@@ -3,9 +3,11 @@ replay sets, the scrub a capture records after each break, and the rows the brea
 
 import pytest
 import torch
+from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment
 
-from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, live, plugin_manager
-from bcg_plugin.breaks import _capture_scrub, eager_break
+from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, breaks, live, plugin_manager
+from bcg_plugin.breaks import BreakArgumentHolds, _capture_scrub, eager_break
+from bcg_plugin.capture import SegmentedGraph
 from bcg_plugin.padding import PaddedRows
 
 BUCKETS = [16, 32, 48, 64]
@@ -93,10 +95,49 @@ def test_a_replay_flags_its_padding_and_binds_the_rows_its_graph_scrubs():
     runner._padded = PaddedRows(runner.buckets, runner.device)
     runner._output = torch.zeros(16, 4)
     seen = []
-    runner._graphs = {16: type("Graph", (), {"replay": lambda self: seen.append(live.get()),
-                                             "release": lambda self: None})()}
+
+    def replay(self, *, breaks_zero_padding):
+        seen.append((live.get(), breaks_zero_padding))
+
+    runner._graphs = {16: type("Graph", (), {"replay": replay, "release": lambda self: None})()}
     runner.replay(16, HostBatch(num_tokens=11, inputs={"positions": torch.arange(11)}))
-    assert [(b.num_tokens, b.bucket, b.graph_scrub_start) for b in seen] == [(11, 16, 8)]
+    assert [(b.num_tokens, b.bucket, b.graph_scrub_start, z) for b, z in seen] == [(11, 16, 8, False)]
     assert runner._padded._padded.tolist() == [False] * 11 + [True] * 5
+    runner.replay(16, HostBatch(num_tokens=8, inputs={"positions": torch.arange(8)}))  # fills the graph's rows
+    runner.replay(16, HostBatch(num_tokens=5, inputs={"positions": torch.arange(5)}))  # padded to a peer's bucket
+    assert [(b.num_tokens, z) for b, z in seen[1:]] == [(8, False), (5, True)]  # only then do the breaks zero rows
     runner.close()
     assert runner._padded is None
+
+
+def test_a_replay_calls_the_break_itself_unless_rows_below_the_graphs_scrub_are_padded(fake_capture, recorded_ops):
+    calls = []
+
+    @eager_break(outputs=("out",))
+    def attention(x, out):
+        calls.append(live.get().num_tokens)
+        n = live.current().num_tokens
+        out[:n].copy_(x[:n])
+
+    x, out = torch.full((64, 4), 7.0), torch.full((64, 4), float("nan"))
+    with fake_capture() as capture, live.bound(live.LiveBatch(64, 64)):
+        attention(x, out)
+    [(step, args, kwargs)] = capture.recorded
+    graph = BreakableCUDAGraph()
+    graph._segments = [_EagerSegment(step, args, kwargs)]
+    segmented = SegmentedGraph(graph, BreakArgumentHolds(lambda t: False))
+
+    with live.bound(live.LiveBatch(50, 64, graph_scrub_start=48)), recorded_ops() as ops:
+        segmented.replay()
+    assert calls[-1] == 50 and [name for name in ops.names if name != "slice"] == ["copy_"]
+    assert breaks.plain_call(step) is attention.__wrapped__  # the host's own function, without the step around it
+
+    out.fill_(float("nan"))
+    with live.bound(live.LiveBatch(5, 64, graph_scrub_start=48)):
+        segmented.replay(breaks_zero_padding=True)
+    assert calls[-1] == 5 and out[:5].eq(7).all() and out[5:48].eq(0).all() and out[48:].isnan().all()
+
+    out.fill_(float("nan"))
+    with live.bound(live.LiveBatch(5, 64, graph_scrub_start=48)):
+        segmented.replay()  # the wrong walk for this batch: rows below the scrub keep their garbage
+    assert out[5:48].isnan().all()
