@@ -1,4 +1,4 @@
-"""Diagnostics for bcg's graph memory in ``bcg bench vllm``, loaded into every mode process.
+"""Diagnostics for bcg's graph memory and replay cost in ``bcg bench vllm``, loaded into every mode process.
 
 Put this folder first on ``PYTHONPATH`` and set:
 
@@ -16,6 +16,14 @@ Put this folder first on ``PYTHONPATH`` and set:
 * ``EXP_SEGMENT_DUMP=1``: record allocation stacks during bcg's capture and, after it and
   ``empty_cache``, list the segments it added outside its pool: size, stream, and each block still
   allocated in them with the code that allocated it. Says what keeps that memory from being released.
+* ``EXP_NO_SCRUB=1``: bcg captures its buckets without the in-graph zeroing of padded rows after
+  each break, to measure what those nodes cost a forward whose token count is a bucket's. Padded
+  rows then carry garbage: not a supported setting, and only for timing batches that fit a bucket.
+* ``EXP_REPLAY_TIMER=1``: time every ``torch.cuda.CUDAGraph.replay`` call on the host (both bcg's
+  segments and vLLM's own breakable and FULL graphs replay through it) and, at exit, write the
+  count and the per-call median, mean and 90th percentile in microseconds with the process's
+  command line: how much of a forward's host time the graph launches take, mode by mode. The
+  wrapper itself costs every graph mode the same few tenths of a microsecond a call.
 * ``EXP_LOG=path``: append the lines to ``path`` as well (the bench keeps a mode's stderr only when
   it fails).
 """
@@ -38,6 +46,11 @@ def _patch_runner():
     import bcg_plugin.pool as pool
     import bcg_plugin.runner as runner
 
+    if os.environ.get("EXP_NO_SCRUB"):
+        import bcg_plugin.padding as padding
+
+        padding.PaddedRows.scrub = lambda self, bucket: None
+        _say("EXP_NO_SCRUB: bcg's graphs do not zero padded rows")
     if os.environ.get("EXP_SHARED_POOL"):
         init = pool.GraphPool.__init__
 
@@ -149,6 +162,47 @@ def _patch_runner():
         runner.PrefillGraphRunner.capture = segment_dumping_capture
 
 
+def _patch_graph_replay(graphs):
+    import atexit
+    import time
+
+    calls = []
+    replay = graphs.CUDAGraph.replay
+
+    def timed_replay(self):
+        t0 = time.perf_counter_ns()
+        replay(self)
+        calls.append(time.perf_counter_ns() - t0)
+
+    def report():
+        if not calls:
+            return
+        us = sorted(c / 1e3 for c in calls)
+        _say(f"EXP_REPLAY_TIMER: {' '.join(sys.argv[1:])!r}: {len(us)} replays, per call median "
+             f"{us[len(us) // 2]:.2f} us, mean {sum(us) / len(us):.2f} us, p90 {us[int(len(us) * 0.9)]:.2f} us")
+
+    graphs.CUDAGraph.replay = timed_replay
+    atexit.register(report)
+
+
+class _GraphsFinder(importlib.abc.MetaPathFinder):
+    """Patches ``torch.cuda.graphs`` right after it is first imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch.cuda.graphs":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _patch_graph_replay(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 class _RunnerFinder(importlib.abc.MetaPathFinder):
     """Patches ``bcg_plugin.runner`` right after it is first imported."""
 
@@ -167,5 +221,8 @@ class _RunnerFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if any(os.environ.get(k) for k in ("EXP_SHARED_POOL", "EXP_POOL_DUMP", "EXP_POOL_RESERVE", "EXP_SEGMENT_DUMP")):
+if any(os.environ.get(k) for k in ("EXP_SHARED_POOL", "EXP_POOL_DUMP", "EXP_POOL_RESERVE", "EXP_SEGMENT_DUMP",
+                                        "EXP_NO_SCRUB")):
     sys.meta_path.insert(0, _RunnerFinder())
+if os.environ.get("EXP_REPLAY_TIMER"):
+    sys.meta_path.insert(0, _GraphsFinder())
