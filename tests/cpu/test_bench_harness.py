@@ -221,6 +221,30 @@ def test_vllm_every_n_target_is_met_by_either_bcg_configuration_and_by_neither_w
     assert "'every N': not met." in "\n".join(targets.markdown("vllm", modes))
 
 
+def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures():
+    from bcg_plugin.bench import targets
+
+    modes = {"eager": {"e2e_ms": {"512": 15.0, "1024": 16.0, "2048": 16.0}},
+             "native": {"e2e_ms": {"512": 5.0, "1024": 15.0, "2048": 16.0}, "capture_s": 20.0, "graph_mem_gib": 0.5},
+             "bcg": {"e2e_ms": {"512": 6.0, "1024": 6.0, "2048": 9.0}, "capture_s": 4.0, "graph_mem_gib": 0.8},
+             "bcg_compile": {"e2e_ms": {"512": 4.5, "1024": 5.0, "2048": 8.0}, "capture_s": 3.0,
+                             "graph_mem_gib": 0.4}}
+    table = "\n".join(targets.markdown("vllm", modes))
+    assert "| eager / bcg (e2e, N <= 512) | >= 3 | 2.500 | no |" in table
+    assert "| eager / bcg_compile (e2e, N <= 512) | >= 3 | 3.333 | yes |" in table
+    assert "| bcg / native (graph memory) | <= 1 | 1.600 | no |" in table
+    assert "| bcg_compile / native (graph memory) | <= 1 | 0.800 | yes |" in table
+    assert "| bcg_compile / native (e2e, N = 1024 and 2048) | <= 0.6 | 0.500 | yes |" in table
+    assert ("- bcg (torch_compile false): 2 of 4 measured targets met (1 not measured); not met: "
+            "eager / bcg (e2e, N <= 512); bcg / native (graph memory)") in table
+    assert ("- bcg_compile (torch_compile, the default under vLLM's -O2): 4 of 4 measured targets met "
+            "(1 not measured)") in table
+    modes["bcg_compile"]["graph_mem_gib"] = 0.6  # negative control: the row reads bcg_compile's own figure
+    table = "\n".join(targets.markdown("vllm", modes))
+    assert "| bcg_compile / native (graph memory) | <= 1 | 1.200 | no |" in table
+    assert "4 of 4" not in table
+
+
 def test_a_target_with_a_comparison_mode_or_size_missing_is_not_measured():
     from bcg_plugin.bench import targets
 
