@@ -31,10 +31,11 @@ def _run(world, fn, tmp_path, *args):
 def _worker(rank, world, rdv, fn, q, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
-        q.put((rank, fn(rank, *args)))
+        result = fn(rank, *args)
         # Tearing gloo down while a peer is still inside its last collective can abort the process
         # ("terminate called without an active exception"), seen on a loaded two-core machine.
         dist.barrier()
+        q.put((rank, result))
     except Exception as e:  # reported to the parent, which fails the test
         q.put((rank, f"ERROR {e!r}"))
     finally:
