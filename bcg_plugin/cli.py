@@ -9,7 +9,7 @@ from pathlib import Path
 
 def _bench(argv: list[str]) -> int:
     if argv and argv[0] == "report":
-        from bcg_plugin.bench import harness
+        from bcg_bench import harness
 
         ap = argparse.ArgumentParser(prog="bcg bench report",
                                      description="Redraw the markdown report and plots beside result JSON files.")
@@ -23,10 +23,10 @@ def _bench(argv: list[str]) -> int:
                 print(written)
         return 0
     if argv and argv[0] == "micro":
-        from bcg_plugin.bench import micro
+        from bcg_bench import micro
 
         return micro.main(argv[1:])
-    from bcg_plugin.bench import harness
+    from bcg_bench import harness
 
     ap = argparse.ArgumentParser(prog="bcg bench", description="Benchmark prefill graphs in a host engine.")
     ap.add_argument("engine", choices=["micro", *harness.ENGINES])

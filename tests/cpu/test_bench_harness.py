@@ -2,8 +2,8 @@
 
 import json
 
-from bcg_plugin.bench import harness
-from bcg_plugin.bench.report import run_stamp
+from bcg_bench import harness
+from bcg_bench.report import run_stamp
 
 
 def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
@@ -186,7 +186,7 @@ def test_rounds_keep_the_minimum_time_to_first_token():
 
 
 def test_targets_are_checked_as_worst_cases_and_missing_modes_are_not_met():
-    from bcg_plugin.bench import targets
+    from bcg_bench import targets
 
     modes = {
         "native": {"e2e_ms": {"16": 10.0, "1024": 20.0}, "forward_ms": {"16": 5.0}, "capture_s": 10.0,
@@ -207,7 +207,7 @@ def test_targets_are_checked_as_worst_cases_and_missing_modes_are_not_met():
 
 
 def test_vllm_every_n_target_is_met_by_either_bcg_configuration_and_by_neither_when_both_miss():
-    from bcg_plugin.bench import targets
+    from bcg_bench import targets
 
     modes = {"native": {"e2e_ms": {"16": 4.0, "8192": 36.0}}, "compile": {"e2e_ms": {"16": 6.0, "8192": 31.0}},
              "bcg": {"e2e_ms": {"16": 4.0, "8192": 34.0}}, "bcg_compile": {"e2e_ms": {"16": 4.0, "8192": 30.8}},
@@ -222,7 +222,7 @@ def test_vllm_every_n_target_is_met_by_either_bcg_configuration_and_by_neither_w
 
 
 def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures():
-    from bcg_plugin.bench import targets
+    from bcg_bench import targets
 
     modes = {"eager": {"e2e_ms": {"512": 15.0, "1024": 16.0, "2048": 16.0}},
              "native": {"e2e_ms": {"512": 5.0, "1024": 15.0, "2048": 16.0}, "capture_s": 20.0, "graph_mem_gib": 0.5},
@@ -246,7 +246,7 @@ def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures()
 
 
 def test_a_target_with_a_comparison_mode_or_size_missing_is_not_measured():
-    from bcg_plugin.bench import targets
+    from bcg_bench import targets
 
     modes = {"native": {"e2e_ms": {"16": 4.0, "8192": 36.0}}, "compile": {"e2e_ms": {"16": 6.0, "8192": 31.0}},
              "bcg": {"e2e_ms": {"16": 3.0, "8192": 30.0}}}
@@ -260,7 +260,7 @@ def test_a_target_with_a_comparison_mode_or_size_missing_is_not_measured():
 
 
 def test_targets_are_not_checked_for_another_model_or_several_gpus():
-    from bcg_plugin.bench import targets
+    from bcg_bench import targets
 
     modes = {"eager": {"e2e_ms": {"16": 30.0}}, "bcg": {"e2e_ms": {"16": 1.0}}}
     assert "| eager / bcg (e2e, N <= 512) | >= 3 | 30.000 | yes |" in "\n".join(targets.markdown("vllm", modes))

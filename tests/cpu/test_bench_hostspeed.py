@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bcg_plugin.bench import harness, hostspeed
+from bcg_bench import harness, hostspeed
 
 
 def test_current_cpu_is_psutils_cpu_of_this_process(monkeypatch):

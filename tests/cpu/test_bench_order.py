@@ -1,4 +1,4 @@
-from bcg_plugin.bench.order import interleaved
+from bcg_bench.order import interleaved
 
 
 def test_every_size_reps_times_in_alternating_passes():

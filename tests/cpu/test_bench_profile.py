@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bcg_plugin.bench import harness, profile
-from bcg_plugin.bench.profile import PROFILE_TOKENS_ENV, ForwardProfiler
+from bcg_bench import harness, profile
+from bcg_bench.profile import PROFILE_TOKENS_ENV, ForwardProfiler
 
 
 def forward(profiler: ForwardProfiler, tokens: int) -> None:
@@ -116,7 +116,7 @@ def test_vllm_profile_across_processes_is_refused_before_any_mode_runs(monkeypat
 def test_the_vllm_forward_timer_profiles_the_armed_forward(monkeypatch):
     import contextlib
 
-    from bcg_adapters.vllm import bench
+    from bcg_bench import vllm_mode as bench
 
     monkeypatch.setenv(PROFILE_TOKENS_ENV, "4")
     timers = bench.Timers()
@@ -155,6 +155,6 @@ def test_python_calls_are_named_by_the_package_below_the_longest_path_root(tmp_p
     roots = sorted([str(tmp_path), str(site)], key=len, reverse=True)
     assert profile.package_of(str(site / "vllm" / "forward_context.py"), roots) == "vllm"
     assert profile.package_of(str(site / "contextlib.py"), roots) == "contextlib"
-    assert profile.package_of(str(tmp_path / "adapters" / "vllm" / "graphs.py"), roots) == "bcg_adapters"
+    assert profile.package_of(str(tmp_path / "adapters" / "vllm" / "graphs.py"), roots) == "bcg_plugin.adapters"
     assert profile.package_of("/elsewhere/repo/bcg_plugin/runner.py", roots) == "bcg_plugin"
     assert profile.package_of("<frozen importlib._bootstrap>", roots) == "<frozen importlib._bootstrap>"

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from bcg_plugin.bench.ranks import FileBarrier
+from bcg_bench.ranks import FileBarrier
 
 
 def test_each_step_waits_for_every_rank(tmp_path):

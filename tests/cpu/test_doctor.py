@@ -40,7 +40,7 @@ def test_invalid_config_fails_and_names_the_key():
 
 def test_unsupported_host_version_is_incompatible(monkeypatch):
     pytest.importorskip("vllm")
-    import bcg_adapters.vllm.plugin as plugin
+    import bcg_plugin.adapters.vllm.plugin as plugin
 
     monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
     rc, text = _run(engines=["vllm"])

@@ -1,4 +1,4 @@
-"""benchmarks/padding_rows.py on a CPU: its comparison can tell row-independent maths from maths that
+"""bcg_bench/padding_rows.py on a CPU: its comparison can tell row-independent maths from maths that
 mixes rows, and the script writes the result file the GPU run will write."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "padding_rows.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bcg_bench" / "padding_rows.py"
 
 
 def _module():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "patches" / "README.md"
+README = Path(__file__).resolve().parents[2] / "bcg_plugin" / "patches" / "README.md"
 
 
 def _table_modules(section: str) -> set[str]:
@@ -18,11 +18,11 @@ def _table_modules(section: str) -> set[str]:
 @pytest.mark.parametrize("host, section", [("vllm", "vLLM"), ("sglang", "SGLang")])
 def test_every_patch_module_has_a_row_and_every_row_a_module(host, section):
     pytest.importorskip(host)
-    package = importlib.import_module(f"bcg_patches.{host}")
+    package = importlib.import_module(f"bcg_plugin.patches.{host}")
     modules = set()
     for info in pkgutil.iter_modules(package.__path__):
-        module = importlib.import_module(f"bcg_patches.{host}.{info.name}")
+        module = importlib.import_module(f"bcg_plugin.patches.{host}.{info.name}")
         if hasattr(module, "PATCH"):
             modules.add(f"{info.name}.py")
-    assert modules, f"no patch modules found in bcg_patches.{host}"
+    assert modules, f"no patch modules found in bcg_plugin.patches.{host}"
     assert _table_modules(section) == modules

@@ -20,11 +20,11 @@ from packaging.specifiers import SpecifierSet
 
 pytest.importorskip("sglang")
 
-from bcg_adapters import sglang as adapter  # noqa: E402
-from bcg_adapters.sglang import eligibility, settings  # noqa: E402
-from bcg_adapters.sglang.runner import BcgPrefillRunner  # noqa: E402
+from bcg_plugin.adapters import sglang as adapter  # noqa: E402
+from bcg_plugin.adapters.sglang import eligibility, settings  # noqa: E402
+from bcg_plugin.adapters.sglang.runner import BcgPrefillRunner  # noqa: E402
 from bcg_plugin.stats import StatsReporter  # noqa: E402
-from bcg_patches.sglang import Patch, install, verify  # noqa: E402
+from bcg_plugin.patches.sglang import Patch, install, verify  # noqa: E402
 from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, RuntimeStats, plugin_manager  # noqa: E402
 
 QWEN3_CONFIG = {
@@ -49,7 +49,7 @@ LAUNCH_TARGETS = {"sglang.srt.server_args.ServerArgs.__post_init__"}
 def test_entry_point_is_declared_and_loads():
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "bcg"]
     assert len(eps) == 1
-    assert eps[0].value == "bcg_adapters.sglang:register"
+    assert eps[0].value == "bcg_plugin.adapters.sglang:register"
     assert eps[0].load() is adapter.register
 
 
@@ -82,7 +82,7 @@ def test_every_target_resolves_with_the_expected_signature():
 
 
 def test_every_patch_documents_reason_range_and_removal():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "patches", "README.md")).read()
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "bcg_plugin", "patches", "README.md")).read()
     for p in all_patches():
         assert p.reason and p.remove_when and SpecifierSet(p.versions) == settings.SUPPORTED_SGLANG
         assert f"`{p.target}`" in readme, f"{p.target} missing from patches/README.md"
@@ -249,9 +249,9 @@ SCENARIO = textwrap.dedent(
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
     load_plugins()
-    import bcg_adapters.sglang as adapter
-    from bcg_adapters.sglang import register
-    from bcg_patches.sglang.base import is_installed
+    import bcg_plugin.adapters.sglang as adapter
+    from bcg_plugin.adapters.sglang import register
+    from bcg_plugin.patches.sglang.base import is_installed
     register()  # re-entrant: must not register anything twice
     from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
@@ -347,7 +347,7 @@ def test_cli_and_engine_flag_enable_bcg(scenario, request):
 def test_key_and_value_reach_the_break_contiguous(monkeypatch):
     import torch
 
-    from bcg_adapters.sglang import attention
+    from bcg_plugin.adapters.sglang import attention
 
     seen = {}
     monkeypatch.setattr(attention, "bcg_attention", lambda q, k, v, out, *a, **kw: seen.update(k=k, v=v, rest=(a, kw)))
@@ -370,8 +370,8 @@ def test_key_and_value_reach_the_break_contiguous(monkeypatch):
 def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_path, mode, extend_in_batch, recorded):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from bcg_adapters.sglang.bench import step_tokens
-    from bcg_patches.sglang.bench_forward_timer import around_forward
+    from bcg_bench.sglang_mode import step_tokens
+    from bcg_bench.sglang_forward_timer import around_forward
 
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
@@ -390,8 +390,8 @@ def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp
     import torch
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from bcg_patches.sglang.bench_forward_timer import around_forward
-    from bcg_plugin.bench.profile import PROFILE_TOKENS_ENV
+    from bcg_bench.sglang_forward_timer import around_forward
+    from bcg_bench.profile import PROFILE_TOKENS_ENV
 
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
@@ -423,7 +423,7 @@ def test_dp_token_counts_outlive_the_dummy_batch_that_brought_them():
 
     import torch
 
-    from bcg_adapters.sglang.host import SglangHost
+    from bcg_plugin.adapters.sglang.host import SglangHost
 
     host = SglangHost.__new__(SglangHost)
     host._dp, host.device, host._dp_counts = 2, torch.device("cpu"), {}
@@ -515,7 +515,7 @@ def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool
     0, 1, ...: past the pool's rows for a bucket no step can reach."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from bcg_adapters.sglang.runner import _chunk_size
+    from bcg_plugin.adapters.sglang.runner import _chunk_size
 
     pool = ReqToTokenPool(size=pool_rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
     prefill = types.SimpleNamespace(max_bs=max_bs, bs=[16, 32, 64])

@@ -12,8 +12,8 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from bcg_adapters.vllm import launch, plugin  # noqa: E402
-from bcg_patches.vllm import ALL, ENTRY, RUNNER, Patch, PatchSet, PatchTargetError  # noqa: E402
+from bcg_plugin.adapters.vllm import launch, plugin  # noqa: E402
+from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER, Patch, PatchSet, PatchTargetError  # noqa: E402
 from bcg_plugin import LiveBatch, live  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -32,7 +32,7 @@ def clean_plugin_state():
 def model_config():
     from vllm.config import ModelConfig
 
-    from bcg_plugin.bench.models import model_dir
+    from bcg_bench.models import model_dir
 
     return ModelConfig(model=str(model_dir("qwen3-0.6b")), skip_tokenizer_init=True)
 
@@ -59,7 +59,7 @@ def is_patched(patch) -> bool:
 def test_entry_point_is_declared_and_loads_register():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     ours = [ep for ep in eps if ep.name == "bcg"]
-    assert [ep.value for ep in ours] == ["bcg_adapters.vllm:register"]
+    assert [ep.value for ep in ours] == ["bcg_plugin.adapters.vllm:register"]
     assert ours[0].load() is plugin.register
 
 
@@ -159,7 +159,7 @@ def test_config_errors_name_the_key(model_config, raw, key):
     ({"enable": True, "warmup": "every_bucket"}, "every_bucket"),  # the user's key wins
 ])
 def test_vllm_warmup_default_sits_under_the_users_keys(raw, warmup):
-    from bcg_adapters.vllm.config import bcg_config
+    from bcg_plugin.adapters.vllm.config import bcg_config
 
     cfg = bcg_config(types.SimpleNamespace(additional_config={"bcg": raw}))
     assert cfg.warmup == warmup and cfg.enable
@@ -169,7 +169,7 @@ def test_vllm_warmup_default_sits_under_the_users_keys(raw, warmup):
 def test_enabling_keeps_vllms_compilation_unless_torch_compile_is_false(model_config, caplog):
     from vllm.config.compilation import CompilationMode
 
-    from bcg_adapters.vllm.config import prefill_graphs_wanted
+    from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 
     plugin.register()
     launch._logged.clear()
@@ -192,7 +192,7 @@ def test_at_o0_bcg_captures_the_plain_model_whatever_torch_compile_says(model_co
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode
 
-    from bcg_adapters.vllm.config import prefill_graphs_wanted
+    from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 
     plugin.register()
     cfg = make_config(model_config, compilation_config=CompilationConfig(mode=CompilationMode.NONE),
@@ -220,7 +220,7 @@ def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected, torc
 def test_torch_compile_keeps_vllms_piecewise_compilation(model_config):
     from vllm.config.compilation import CompilationMode
 
-    from bcg_adapters.vllm.config import ATTENTION_OP, prefill_graphs_wanted
+    from bcg_plugin.adapters.vllm.config import ATTENTION_OP, prefill_graphs_wanted
 
     plugin.register()
     cfg = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": True}})
@@ -240,7 +240,7 @@ def test_torch_compile_keeps_vllms_piecewise_compilation(model_config):
 def test_torch_compile_layouts_bcg_cannot_capture_stay_off(model_config, caplog, compilation, reason):
     from vllm.config import CompilationConfig
 
-    from bcg_adapters.vllm.config import prefill_graphs_wanted
+    from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 
     plugin.register()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
@@ -317,7 +317,7 @@ def test_v2_dispatch_pads_eager_batches_to_a_bucket_and_keeps_full_decode():
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
 
-    from bcg_patches.vllm import v2_cudagraph_manager_dispatch as mod
+    from bcg_plugin.patches.vllm import v2_cudagraph_manager_dispatch as mod
 
     def original(self, num_reqs, num_tokens, uniform, loras):
         if uniform == 1 and num_tokens <= 8:
@@ -338,7 +338,7 @@ def test_v1_dispatch_answers_the_dp_redispatch_without_tripping_vllms_assert():
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import BatchDescriptor
 
-    from bcg_patches.vllm import v1_cudagraph_dispatcher_dispatch as mod
+    from bcg_plugin.patches.vllm import v1_cudagraph_dispatcher_dispatch as mod
 
     def original(self, n, uniform, has_lora, loras, valid, invalid):
         allowed = set(valid or CUDAGraphMode.valid_runtime_modes()) - set(invalid or ())
@@ -376,7 +376,7 @@ def test_v1_dummy_run_sends_piecewise_forwards_through_bcg_and_restores_the_mode
     from vllm.config.compilation import CUDAGraphMode
     from vllm.forward_context import override_forward_context
 
-    from bcg_patches.vllm import v1_gpu_model_runner_dummy_run as mod
+    from bcg_plugin.patches.vllm import v1_gpu_model_runner_dummy_run as mod
 
     eager_calls = []
     model_fn = lambda **kw: eager_calls.append(sorted(kw)) or "eager"  # noqa: E731
@@ -409,7 +409,7 @@ def test_v1_dummy_run_sends_piecewise_forwards_through_bcg_and_restores_the_mode
 
 @pytest.mark.parametrize("captured, expected", [(True, 1000 + 300), (False, 1000)])
 def test_v1_capture_reports_bcgs_graph_memory_with_vllms(monkeypatch, captured, expected):
-    from bcg_patches.vllm import v1_gpu_model_runner_capture_model as mod
+    from bcg_plugin.patches.vllm import v1_gpu_model_runner_capture_model as mod
     from bcg_plugin.stats import RuntimeStats
 
     # What the core measured around bcg's capture (free device memory before minus after).
@@ -423,7 +423,7 @@ def test_v1_capture_reports_bcgs_graph_memory_with_vllms(monkeypatch, captured, 
 
 
 def test_v1_profile_adds_bcgs_estimate_to_the_one_vllm_sizes_the_kv_cache_with(monkeypatch):
-    from bcg_patches.vllm import v1_gpu_model_runner_profile_cudagraph_memory as mod
+    from bcg_plugin.patches.vllm import v1_gpu_model_runner_profile_cudagraph_memory as mod
 
     seen = []
     monkeypatch.setattr(plugin, "estimate_v1", lambda runner: seen.append(runner) or 300)
@@ -451,7 +451,7 @@ class _ProfilingRunner:
 
 @pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises", "unusable"])
 def test_v1_estimate_runs_on_a_minimal_kv_cache_and_releases_it_while_the_gpu_runs(monkeypatch, caplog, outcome):
-    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
     from bcg_plugin import BcgCaptureError
 
     runner = _ProfilingRunner()
@@ -506,7 +506,7 @@ class _CallableModel:
 
 def _graphs_with_bucket_64(stale: bool = False, capture_contexts: dict | None = None):
     """VllmPrefillGraphs past its capture (one bucket, 64), without a model runner behind it."""
-    from bcg_adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
 
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._buckets = frozenset({64})
@@ -535,7 +535,7 @@ def test_capture_enters_vllms_graph_capture_on_the_stream_torch_captures_on(monk
 
     import vllm.distributed.parallel_state as ps
 
-    from bcg_adapters.vllm import host as host_module
+    from bcg_plugin.adapters.vllm import host as host_module
 
     assert {"device", "graph_capture_context"} <= set(inspect.signature(ps.graph_capture).parameters)
     entered = []
@@ -644,7 +644,7 @@ class _Host:
     """VllmHost with a trivial capture context (the real ones need a built model runner)."""
 
     def __new__(cls, model, vllm_config):
-        from bcg_adapters.vllm.host import VllmHost
+        from bcg_plugin.adapters.vllm.host import VllmHost
 
         host = type("CpuHost", (VllmHost,), {"capture_context": lambda self, n: ("ctx", n)})(
             model, vllm_config, torch.device("cpu"))
@@ -653,7 +653,7 @@ class _Host:
 
 @pytest.mark.parametrize("prompt_embeds", [False, True])
 def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_config, prompt_embeds, monkeypatch):
-    from bcg_adapters.vllm.host import EagerEmbedding
+    from bcg_plugin.adapters.vllm.host import EagerEmbedding
     from bcg_plugin import HostBatch, plugin_manager
 
     config = make_config(model_config)
@@ -676,7 +676,7 @@ def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_conf
 
 
 def test_graphs_read_the_runners_persistent_input_buffers_in_place(model_config, monkeypatch):
-    from bcg_adapters.vllm.host import V1Host
+    from bcg_plugin.adapters.vllm.host import V1Host
 
     config = make_config(model_config)
     monkeypatch.setattr(config.model_config, "enable_prompt_embeds", False)  # the model config is shared
@@ -709,7 +709,7 @@ def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_confi
     import vllm.forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from bcg_adapters.vllm.host import V1Host
+    from bcg_plugin.adapters.vllm.host import V1Host
 
     config = make_config(model_config)
     monkeypatch.setattr(config.model_config, "max_model_len", 8192)  # the model config is shared
@@ -739,7 +739,7 @@ def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, m
                                                                 max_num_seqs, max_model_len, chunk, top):
     from vllm.config import SchedulerConfig
 
-    from bcg_adapters.vllm import graphs
+    from bcg_plugin.adapters.vllm import graphs
 
     monkeypatch.setattr(model_config, "max_model_len", max_model_len)  # the model config is shared
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
@@ -773,7 +773,7 @@ def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, m
 def test_worker_extension_resolves_and_reports_this_workers_runners(monkeypatch):
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from bcg_adapters.vllm import graphs, rpc
+    from bcg_plugin.adapters.vllm import graphs, rpc
     from bcg_plugin.stats import Fallback, RuntimeStats
 
     ext = resolve_obj_by_qualname(rpc.WORKER_EXTENSION)
@@ -791,7 +791,7 @@ def test_worker_extension_resolves_and_reports_this_workers_runners(monkeypatch)
 
 
 def test_dp_expert_parallel_is_served_with_capturable_all2all():
-    from bcg_adapters.vllm.config import unsupported_reason
+    from bcg_plugin.adapters.vllm.config import unsupported_reason
 
     def cfg(backend):
         parallel = types.SimpleNamespace(data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend)
@@ -805,8 +805,8 @@ def test_dp_expert_parallel_is_served_with_capturable_all2all():
 def test_bench_engine_kwargs_are_vllm_engine_args(mode):
     from vllm.engine.arg_utils import EngineArgs
 
-    from bcg_adapters.vllm.bench import engine_kwargs
-    from bcg_adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_bench.vllm_mode import engine_kwargs
+    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
 
     args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
     assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
@@ -822,7 +822,7 @@ def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_p
 
     import vllm
 
-    from bcg_adapters.vllm import bench
+    from bcg_bench import vllm_mode as bench
 
     events, lock = [], threading.Lock()
 
@@ -866,7 +866,7 @@ def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_p
 
 
 def test_first_token_ms_reads_vllms_request_metrics():
-    from bcg_adapters.vllm.bench import first_token_ms
+    from bcg_bench.vllm_mode import first_token_ms
 
     out = types.SimpleNamespace(metrics=types.SimpleNamespace(first_token_latency=0.0125))
     assert first_token_ms([out]) == 12.5
@@ -875,7 +875,7 @@ def test_first_token_ms_reads_vllms_request_metrics():
 
 
 def test_dp_rank_envs_share_one_rendezvous_and_number_the_ranks():
-    from bcg_adapters.vllm.bench import dp_rank_envs
+    from bcg_bench.vllm_mode import dp_rank_envs
 
     envs = dp_rank_envs(2)
     assert [(e["VLLM_DP_RANK"], e["VLLM_DP_RANK_LOCAL"]) for e in envs] == [("0", "0"), ("1", "1")]
@@ -884,7 +884,7 @@ def test_dp_rank_envs_share_one_rendezvous_and_number_the_ranks():
 
 
 def test_bench_dp_launches_one_process_per_rank(monkeypatch):
-    from bcg_adapters.vllm import bench
+    from bcg_bench import vllm_mode as bench
 
     calls = []
     monkeypatch.setattr(bench, "launch_dp_ranks", lambda argv, dp: calls.append((argv, dp)) or 0)
@@ -895,7 +895,7 @@ def test_bench_dp_launches_one_process_per_rank(monkeypatch):
 
 
 def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
-    from bcg_adapters.vllm.bench import bench_bcg_config
+    from bcg_bench.vllm_mode import bench_bcg_config
 
     assert bench_bcg_config({}) == {"enable": True}
     assert bench_bcg_config({"BCG_WARMUP": "first_bucket", "BCG_MAX_TOKENS": "1024"}) == {
@@ -905,7 +905,7 @@ def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
 @pytest.mark.parametrize("env_torch_compile", [None, "1", "0"])
 def test_bench_bcg_mode_captures_the_plain_model_and_bcg_compile_the_compiled_one(monkeypatch, env_torch_compile):
     """The mode names what is measured: a BCG_TORCH_COMPILE in the environment does not move it."""
-    from bcg_adapters.vllm.bench import engine_kwargs
+    from bcg_bench.vllm_mode import engine_kwargs
 
     if env_torch_compile is None:
         monkeypatch.delenv("BCG_TORCH_COMPILE", raising=False)
@@ -920,7 +920,7 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
     import torch
     from vllm.v1.worker.gpu_worker import Worker
 
-    from bcg_adapters.vllm import bench
+    from bcg_bench import vllm_mode as bench
 
     free = [80 * 2**30]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -947,7 +947,7 @@ def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied
     """vLLM's logging config covers only ``vllm.*``: the core's capture summary is routed there."""
     import logging
 
-    from bcg_adapters.vllm import log, plugin
+    from bcg_plugin.adapters.vllm import log, plugin
 
     core = logging.getLogger("bcg_plugin")
     monkeypatch.setattr(core, "handlers", [h for h in core.handlers if not isinstance(h, log._ToVllm)])
@@ -966,7 +966,7 @@ def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied
         logging.getLogger("bcg_plugin").info("bcg: captured before")
         assert seen == []  # negative control: not routed yet
         monkeypatch.setattr(plugin.STATE, "runner_patches", None)
-        monkeypatch.setattr("bcg_patches.vllm.RUNNER.apply", lambda: None)
+        monkeypatch.setattr("bcg_plugin.patches.vllm.RUNNER.apply", lambda: None)
         plugin.apply_runner_patches()
         logging.getLogger("bcg_plugin").info("bcg: captured %d buckets", 56)
         assert seen == ["bcg: captured 56 buckets"]

@@ -371,7 +371,7 @@ def run_in_groups(commands: Sequence[tuple[list[str], Mapping[str, str], Path]],
     """Start every command (argv, environment, log file) in a process group of its own, wait for all
     of them under one deadline, then end every group, so the workers an engine process started end
     with it. The finished processes, and whether the deadline passed."""
-    from bcg_plugin.bench.harness import end_group
+    from bcg_bench.harness import end_group
 
     procs = []
     for cmd, env, log in commands:

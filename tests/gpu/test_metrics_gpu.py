@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from bcg_plugin.bench.models import model_dir
-from bcg_plugin.bench.ranks import free_port
+from bcg_bench.models import model_dir
+from bcg_bench.ranks import free_port
 from bcg_plugin.metrics import scraped_value
 
 pytestmark = pytest.mark.gpu

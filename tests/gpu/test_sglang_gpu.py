@@ -24,7 +24,7 @@ than the host's own run-to-run reproducibility).
 ``BCG_TEST_CHUNK`` sets the chunked-prefill size (default 1024; SGLang's default on an H200 is 8192).
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
-``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_plugin.bench.models``.
+``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
 Every rank must replay the same buckets in the same order. ``BCG_TEST_RESULTS_DIR`` keeps each
 engine's outputs there and reuses them, so the three engines can run in separate commands.
 """
@@ -53,7 +53,7 @@ TOL = 0.1  # |delta logprob| per compared position, in units of the eager run's 
 # position by a large part of the spread. On 2 GPUs, TP 2 / DP 2, eager and bcg are each bit-identical
 # across runs, and bcg matches eager bit for bit except in one forward: the 100-token probe, replayed
 # in bucket 112, has the same 10 of its 201 compared logprobs beyond TOL (up to 0.29 x spread) in every run,
-# and the probe extending its cached prefix inherits them. benchmarks/padding_rows.py traced that to
+# and the probe extending its cached prefix inherits them. bcg_bench/padding_rows.py traced that to
 # the attention output projection, whose GEMM rounds otherwise for 112 rows than for 100 (router and
 # fused experts gave the same bits at every probe's padded size): any padded replay can meet such a
 # row count. A stale replay puts 90% or more of a request's positions beyond TOL. Dense models:
@@ -84,7 +84,7 @@ RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in 
 
 
 def model_config() -> dict:
-    from bcg_plugin.bench.models import MODELS
+    from bcg_bench.models import MODELS
 
     return dict(MODELS[MODEL])
 
@@ -122,7 +122,7 @@ def checkpoint(tmp_path_factory) -> str:
     if DP > 1 and TP % DP:
         pytest.skip(f"SGLang's DP attention needs tp_size divisible by dp_size (BCG_TEST_TP={TP}, BCG_TEST_DP={DP})")
     if MODEL != "qwen3-0.6b":
-        from bcg_plugin.bench.models import model_dir
+        from bcg_bench.models import model_dir
 
         return str(model_dir(MODEL))  # config only: the engines load dummy weights
     return str(write_scaled_checkpoint(tmp_path_factory.mktemp("bcg-qwen3-0.6b-scaled")))
@@ -243,7 +243,7 @@ def generate(engine, reqs: list[dict], **routing) -> list[dict]:
 
 
 def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
-    from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
+    from bcg_plugin.adapters.sglang.settings import BENCH_RECORD_ENV
 
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
     engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env})
@@ -278,7 +278,7 @@ def values(meta: dict) -> dict[str, list[float]]:
 
 def error_quantile(model: str = MODEL) -> float:
     """The quantile of a request's per-position errors that ``request_error`` returns (1.0: the max)."""
-    from bcg_plugin.bench.models import MODELS
+    from bcg_bench.models import MODELS
 
     return MOE_QUANTILE if "num_experts" in MODELS[model] else 1.0
 

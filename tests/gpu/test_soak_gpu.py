@@ -55,7 +55,7 @@ Checks:
    memory.used of their GPUs). After the first third of the run (pools and caches reach their working
    size), max - min per GPU must stay under 256 MiB.
 4. bcg ran, in lockstep. vLLM: ``collective_rpc("bcg_stats")`` from every worker
-   (``bcg_adapters.vllm.rpc``) shows replays, no eager fallback (under DP, only steps whose DP-wide
+   (``bcg_plugin.adapters.vllm.rpc``) shows replays, no eager fallback (under DP, only steps whose DP-wide
    size is no bucket), and every tensor- and data-parallel rank with the same replays per bucket. SGLang: the forward records (``BCG_BENCH_RECORD``) show replays and
    every rank replaying the same sequence of buckets (under DP attention, of the DP-wide maximum
    token count); without DP no forward within the top bucket ran eagerly (with DP, steps in which
@@ -153,7 +153,7 @@ class DpSteps:
     step in vLLM's dummy forwards), and rank 0 alone decides when the traffic stops."""
 
     def __init__(self, directory: Path, rank: int, size: int):
-        from bcg_plugin.bench.ranks import FileBarrier
+        from bcg_bench.ranks import FileBarrier
 
         self.rank, self.size = rank, size
         self.barrier = FileBarrier(directory, rank, size, timeout_s=WAVE_DEADLINE_S)
@@ -169,8 +169,8 @@ class DpSteps:
 def vllm_engine(role: str, progress: Path) -> dict:
     from vllm import LLM, SamplingParams
 
-    from bcg_adapters.vllm.rpc import WORKER_EXTENSION
-    from bcg_plugin.bench.models import model_dir
+    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_bench.models import model_dir
 
     rank = int(os.environ.get("VLLM_DP_RANK", "0"))
     steps = DpSteps(Path(os.environ[DP_BARRIER_ENV]), rank, DP) if DP > 1 else None
@@ -233,7 +233,7 @@ def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
     import sglang
     from test_sglang_gpu import engine_kwargs, rescale_dummy_weights  # the engine test's layout and weights
 
-    from bcg_adapters.sglang.settings import BENCH_RECORD_ENV
+    from bcg_plugin.adapters.sglang.settings import BENCH_RECORD_ENV
 
     record = progress.with_name(f"{role}.forwards.jsonl")
     os.environ[BENCH_RECORD_ENV] = str(record)  # schedulers inherit it: forward records, bench patches
@@ -287,7 +287,7 @@ def run_engine(engine: str, role: str, tmp: Path, timeout_s: float, model_path: 
         if TP > 1 or DP > 1:  # apply_model ships the weight rescaling to the worker processes
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if DP > 1:
-            from bcg_adapters.vllm.bench import dp_rank_envs
+            from bcg_bench.vllm_mode import dp_rank_envs
 
             env[DP_BARRIER_ENV] = tempfile.mkdtemp(prefix=f"bcg-soak-{role}-dp-", dir=tmp)
             ranks = dp_rank_envs(DP)
@@ -380,8 +380,8 @@ def check_run(run: dict, problems: list[str]) -> dict:
 
 def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters: dict, probes: dict,
                   problems: list[str]) -> Path:
-    from bcg_plugin.bench.models import shape_summary
-    from bcg_plugin.bench.report import environment, run_stamp
+    from bcg_bench.models import shape_summary
+    from bcg_bench.report import environment, run_stamp
     from bcg_plugin.doctor import installed_version
 
     env = environment()
@@ -447,7 +447,7 @@ def _finish(engine: str, seconds: float, run: dict, memory: dict, counters: dict
 
 def test_vllm_soak(soak_dir):
     pytest.importorskip("vllm")
-    from bcg_plugin.bench.models import MODELS
+    from bcg_bench.models import MODELS
 
     if DP > 1 and (TP > 1 or "num_experts" not in MODELS[MODEL]):
         pytest.skip(f"the vLLM data-parallel soak runs a MoE model at TP 1 per DP rank (vLLM's offline data "
@@ -501,7 +501,7 @@ def test_vllm_soak(soak_dir):
 
 def test_sglang_soak(soak_dir):
     pytest.importorskip("sglang")
-    from bcg_plugin.bench.models import model_dir
+    from bcg_bench.models import model_dir
 
     if TORCH_COMPILE:
         pytest.skip("BCG_SOAK_TORCH_COMPILE soaks vLLM only: bcg's torch_compile key is vLLM's")

@@ -6,7 +6,7 @@ its own process (this file re-invoked as a script), in-process inside that proce
 
 With ``BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b`` the same checks run with tensor parallelism (the
 attention breaks and the captured all-reduces on two GPUs); bcg's counters then come from every
-worker over vLLM's collective RPC (:mod:`bcg_adapters.vllm.rpc`), and the ranks must have replayed
+worker over vLLM's collective RPC (:mod:`bcg_plugin.adapters.vllm.rpc`), and the ranks must have replayed
 the same buckets the same number of times.
 
 With ``BCG_TEST_DP=2 BCG_TEST_MODEL=qwen3-30b-a3b`` (MoE; vLLM's offline data parallelism serves
@@ -57,7 +57,7 @@ import dummy_weights
 import pytest
 import soak_helpers as soak
 
-from bcg_plugin.bench.ranks import FileBarrier
+from bcg_bench.ranks import FileBarrier
 from bcg_plugin.ladder import reference_ladder
 
 LOGPROB_ATOL = 0.25
@@ -122,8 +122,8 @@ def run_engine(name: str, out: Path) -> None:
     spec = ENGINES[name]
     from vllm import LLM, SamplingParams
 
-    from bcg_adapters.vllm.rpc import WORKER_EXTENSION
-    from bcg_plugin.bench.models import model_dir
+    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_bench.models import model_dir
 
     moe = "a3b" in MODEL
     kwargs = dict(
@@ -133,7 +133,7 @@ def run_engine(name: str, out: Path) -> None:
         tensor_parallel_size=TP, worker_extension_cls=WORKER_EXTENSION, enable_expert_parallel=moe and TP * DP > 1,
     )
     if spec["bcg"]:
-        from bcg_adapters.vllm.bench import bench_bcg_config
+        from bcg_bench.vllm_mode import bench_bcg_config
 
         # enabled, plus any BCG_* key set; over the plain model unless the engine's spec compiles
         kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": bool(spec.get("torch_compile"))}}
@@ -234,7 +234,7 @@ def engines():
 def _run_engine_processes(name: str, out: Path) -> dict | None:
     """Run engine ``name`` (DP processes under data parallelism) and write its merged outputs to
     ``out``; on failure, the error and the log tail instead."""
-    from bcg_adapters.vllm.bench import dp_rank_envs
+    from bcg_bench.vllm_mode import dp_rank_envs
 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if DP == 1 else "1", **ENGINES[name].get("env", {})}
     # Engine cores and workers unpickle dummy_weights.rescale by reference: its folder on their path.

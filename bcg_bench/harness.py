@@ -1,0 +1,449 @@
+"""``bcg bench vllm|sglang``: every mode in its own process, one result file for the run.
+
+Each engine's per-mode script (``bcg_plugin.adapters.<engine>.bench``) takes ``--mode --model --sizes
+--out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with ``e2e_ms`` and ``forward_ms``
+(N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``. This module runs the modes back to back,
+stamps the run (engine version, model shape, parallel layout, GPU, date) and writes
+``<engine>-<model>[-tpN][-dpN]-<UTC date and time>.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from bcg_bench import hostspeed, profile, targets
+from bcg_bench.models import shape_summary
+from bcg_bench.report import (
+    environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
+)
+
+# ``profiles_workers``: whether ``--profile`` reaches forwards run in worker processes (tp or dp > 1).
+# vLLM's forward timer wraps the runner in the bench's own process; SGLang's is a patch in every scheduler.
+ENGINES = {
+    "vllm": {"module": "bcg_bench.vllm_mode", "package": "vllm", "profiles_workers": False,
+             "modes": ["eager", "native", "native_ladder", "compile", "bcg", "bcg_compile"]},
+    "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
+               "modes": ["disabled", "native", "tc_piecewise", "bcg"]},
+}
+DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
+
+
+def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: float,
+             parallel: dict[str, int] | None = None, profile_tokens: int | None = None) -> dict:
+    spec = ENGINES[engine]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "mode.json"
+        cmd = [sys.executable, "-m", spec["module"], "--mode", mode, "--model", model,
+               "--sizes", ",".join(map(str, sizes)), "--out", str(out)]
+        for flag, size in (parallel or {}).items():
+            if size > 1:
+                cmd += [f"--{flag}", str(size)]
+        load = os.getloadavg()[0]  # a busy host shows in the run, not only in its spread
+        t0 = time.perf_counter()
+        # Its own process group: the engine's workers, schedulers and DP ranks end with the mode.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=_mode_env(profile_tokens), start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            end_group(proc)
+            _, stderr = proc.communicate()
+            return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (stderr or "")[-3000:]}
+        end_group(proc)  # whatever outlived the mode would hold GPU memory the next mode needs
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not out.exists():
+            return {"error": f"exit code {proc.returncode}", "log_tail": (stdout + stderr)[-4000:]}
+        data = json.loads(out.read_text())
+        data["wall_s"] = wall
+        data["load_avg_at_start"] = load
+        return data
+
+
+def _mode_env(profile_tokens: int | None) -> dict[str, str]:
+    env = os.environ.copy()
+    env.pop(profile.PROFILE_TOKENS_ENV, None)  # only --profile arms the modes' profilers
+    if profile_tokens:
+        env[profile.PROFILE_TOKENS_ENV] = str(profile_tokens)
+    return env
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """Kill what is left of ``proc``'s process group (started with ``start_new_session``)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+# Per-N latency maps a mode may report (N -> ms), with their report headings.
+LATENCY_KEYS = {
+    "e2e_ms": "End-to-end generate() median ms",
+    "ttft_ms": "Time to first token median ms (the engine's request metrics)",
+    "forward_ms": "Model forward median ms (CUDA events)",
+    "forward_host_ms": "Host time issuing the model forward, median ms",
+}
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """One mode's figures over rounds: per-N minimum of the latencies and the minimum of each
+    duration in seconds (the least disturbed run; durations drift with the host like latencies do),
+    other scalars (memory, stats) from the first good round, every round kept under ``rounds``."""
+    good = [r for r in rounds if "e2e_ms" in r]
+    if not good:
+        return rounds[0]
+    merged = dict(good[0])
+    for key in LATENCY_KEYS:
+        if key in good[0]:
+            merged[key] = {n: min(r[key][n] for r in good if n in (r.get(key) or {}))
+                           for n in (good[0].get(key) or {})}
+    for key, value in good[0].items():
+        if key.endswith("_s") and isinstance(value, (int, float)):
+            merged[key] = min(r[key] for r in good if isinstance(r.get(key), (int, float)))
+    if len(rounds) > 1:
+        merged["rounds"] = rounds
+    return merged
+
+
+def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float,
+        rounds: int = 1, tp: int = 1, dp: int = 1, profile_tokens: int | None = None, rerun_slow: int = 0) -> Path:
+    """Run every mode in its own process, ``rounds`` times; write and render the result file.
+
+    With ``rerun_slow`` K a mode process whose host-speed probe is flagged slow against the fastest
+    process so far is run again, up to K times, in its place in the round: the decision reads the
+    probe, never the latencies, and every replaced process is kept under ``replaced``.
+    """
+    spec = ENGINES[engine]
+    unknown = [m for m in modes if m not in spec["modes"]]
+    if unknown:
+        raise SystemExit(f"unknown {engine} mode(s) {unknown}; choose from {spec['modes']}")
+    if tp < 1 or dp < 1:
+        raise SystemExit(f"--tp and --dp must be >= 1, got tp={tp} dp={dp}")
+    if profile_tokens is not None and profile_tokens < 1:
+        raise SystemExit(f"--profile takes a token count >= 1 (16, say), got {profile_tokens}")
+    if rerun_slow < 0:
+        raise SystemExit(f"--rerun-slow takes a count >= 0, got {rerun_slow}")
+    if profile_tokens and not spec["profiles_workers"] and (tp > 1 or dp > 1):
+        raise SystemExit(f"--profile with {engine} needs --tp 1 --dp 1 (got tp={tp} dp={dp}): the profiler runs "
+                         "in the engine's own process; profile on one GPU, or use sglang, which profiles every rank")
+    parallel = {"tp": tp, "dp": dp}
+    result = {
+        "benchmark": "engine",
+        "engine": engine,
+        "engine_version": importlib.metadata.version(spec["package"]),
+        "model": shape_summary(model),
+        **{k: v for k, v in environment().items() if k in ("gpu", "date")},
+        "env": environment(),
+        "sizes": sizes,
+        "parallel": parallel,
+        "rounds": rounds,
+        "modes": {},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
+    path = out_dir / f"{engine}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
+    # Later rounds reverse the order, so no mode always runs first on a cold machine.
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+    order = []
+    replaced: list[dict] = []
+    if rerun_slow:
+        result["replaced"] = replaced
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
+            order.append(mode)
+            for attempt in range(rerun_slow + 1):
+                print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}"
+                      + (f", rerun {attempt}" if attempt else "") + ") ...", flush=True)
+                data = run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens)
+                print(f"[bcg bench] {engine} {mode}: {summary_line(data)}", flush=True)
+                seen = [d.get("host_speed") for runs in per_mode.values() for d in runs] + [
+                    d.get("host_speed") for d in replaced] + [data.get("host_speed")]
+                if attempt == rerun_slow or not hostspeed.is_slow(data.get("host_speed"),
+                                                                   hostspeed.fastest_probe_us(seen)):
+                    break
+                replaced.append({"mode": mode, "round": r + 1, **data})
+                print(f"[bcg bench] {engine} {mode}: host probe flagged slow; running it again", flush=True)
+            per_mode[mode].append(data)
+            # Written after every mode: a run stopped from outside keeps the processes it finished.
+            _write(path, result, per_mode, order, planned=rounds * len(modes))
+    render(path)
+    return path
+
+
+def _write(path: Path, result: dict, per_mode: dict[str, list[dict]], order: list[str], *, planned: int) -> None:
+    result["order"] = list(order)
+    result["processes"] = {"finished": len(order), "planned": planned}
+    result["modes"] = {m: _merge_rounds(runs) for m, runs in per_mode.items() if runs}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)  # never a half-written file, whenever the run is stopped
+
+
+def _layout(result: dict) -> str:
+    names = {"tp": "tensor parallel", "dp": "data parallel"}
+    return "".join(f", {names[k]} {v}" for k, v in (result.get("parallel") or {}).items() if v > 1)
+
+
+BASELINE_MODE = {"vllm": "eager", "sglang": "disabled"}
+
+
+def render(path: Path) -> list[Path]:
+    """Write the markdown report and PNG plots of a result JSON beside it; return what was written."""
+    result = json.loads(path.read_text())
+    stem = path.name[: -len(".json")]
+    good = {m: d for m, d in result["modes"].items() if "e2e_ms" in d}
+    title = f"{result['engine']} {result['engine_version']}, {result['model']['name']}"
+    baseline = BASELINE_MODE.get(result["engine"], "eager")
+    e2e = {m: d["e2e_ms"] for m, d in good.items()}
+    costs = {m: (d.get("capture_s") or 0.0, d.get("graph_mem_gib") or 0.0) for m, d in good.items()}
+    plots = {
+        f"{stem}.png": plot_latency(path.parent / f"{stem}.png", f"{title}: end-to-end prefill", e2e),
+        f"{stem}-speedup.png": plot_speedup(path.parent / f"{stem}-speedup.png",
+                                            f"{title}: speed-up over {baseline}", e2e, baseline),
+        f"{stem}-capture.png": plot_capture_memory(path.parent / f"{stem}-capture.png", f"{title}: capture cost",
+                                                   costs),
+    }
+    written = [path.parent / name for name, ok in plots.items() if ok]
+    md = path.parent / f"{stem}.md"
+    write_markdown(md, to_markdown(result, [p.name for p in written]))
+    return [md, *written]
+
+
+def summary_line(d: dict) -> str:
+    if "error" in d:
+        return f"FAILED ({d['error']})"
+    speed = d.get("host_speed")
+    return "e2e " + " ".join(f"{n}:{v:.2f}" for n, v in d["e2e_ms"].items()) + (
+        f" (host probe {speed['probe_us']:.0f} µs)" if speed else "")
+
+
+def to_markdown(result: dict, images: list[str] = ()) -> str:
+    modes = result["modes"]
+    good = {m: d for m, d in modes.items() if "e2e_ms" in d}
+    sizes = [str(n) for n in result["sizes"]]
+    lines = [
+        f"# {result['engine']} {result['engine_version']}: {result['model']['name']} (dummy weights, bf16)",
+        "",
+        f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}{_layout(result)}. "
+        "One request of N prompt tokens, "
+        "one output token; every mode in its own process, same run"
+        + (", sizes interleaved within each mode" if any(d.get("size_order") == "interleaved"
+                                                        for d in result["modes"].values()) else "")
+        + (f", {result['rounds']} rounds in alternating order, per-N minimum; "
+           "init and capture seconds are each mode's minimum over rounds." if result.get("rounds", 1) > 1 else "."),
+        "",
+    ]
+    loads = [r["load_avg_at_start"] for d in good.values() for r in (d.get("rounds") or [d]) if "load_avg_at_start" in r]
+    if loads:
+        lines += [f"Host load (1-minute average) when each mode process started: {min(loads):.1f} to {max(loads):.1f}, "
+                  f"on {result['env'].get('cpus', '?')} CPUs.", ""]
+    processes = result.get("processes") or {}
+    if processes.get("finished", 0) < processes.get("planned", 0):
+        lines += [f"Incomplete run: {processes['finished']} of {processes['planned']} mode processes finished before "
+                  f"it was stopped ({', '.join(result['order'])}).", ""]
+    notes = [f"Note ({', '.join(m for m, d in good.items() if d.get('note') == note)}): {note}."
+             for note in dict.fromkeys(d["note"] for d in good.values() if d.get("note"))]
+    if notes:
+        lines += [*notes, ""]
+    for key, heading in LATENCY_KEYS.items():
+        if any(d.get(key) for d in good.values()):
+            lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
+    run_order = _processes(result)
+    fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
+    for mine in ("bcg", "bcg_compile"):
+        lines += _ratio_sections(good, sizes, mine, run_order, fastest, result.get("replaced") or [])
+    lines += hostspeed.markdown(run_order)
+    if result.get("replaced"):
+        lines += ["Run again because the probe flagged them slow when they ended (kept in the result file under "
+                  "`replaced`, out of every table above): " + ", ".join(
+                      f"{d['mode']} (round {d['round']}, probe {d['host_speed']['probe_us']:.0f} µs)"
+                      for d in result["replaced"]) + ".", ""]
+    lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
+    lines += profile.markdown(good)
+    split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
+    extra = " | of which torch's allocator GiB" if split else ""
+    lines += [f"| mode | init s | capture s | graph memory GiB{extra} |", "|---|---|---|---|" + "---|" * split]
+    for m, d in good.items():
+        cells = [_fmt(d.get("init_s")), _fmt(d.get("capture_s")), _fmt(d.get("graph_mem_gib"), 3)]
+        if split:
+            cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [""] + _footprint(good)
+    lines += [f"![{name}]({name})" for name in images]
+    failed = {m: d for m, d in modes.items() if "error" in d}
+    if failed:
+        lines += ["", "Modes that failed: " + ", ".join(f"{m} ({d['error']})" for m, d in failed.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _footprint(good: dict) -> list[str]:
+    """The device memory each mode holds beyond its KV cache once every N was served, and bcg's
+    over each mode's; empty unless some mode measured it."""
+    measured = {m: d for m, d in good.items() if d.get("device_used_gib") is not None
+                and d.get("kv_cache_gib") is not None}
+    if not measured:
+        return []
+    beyond = {m: d["device_used_gib"] - d["kv_cache_gib"] for m, d in measured.items()}
+    lines = ["## Device memory once every N was served", "",
+             "In use on the GPU after the last measured request, and what is left beyond the KV cache: weights, "
+             "graphs, and the activation blocks torch's allocator keeps cached after the largest eager forward. "
+             "Engines count these under different names (a graph pool, or the profiled activation peak); here "
+             "every mode is measured alike, after the same requests.", "",
+             "| mode | in use GiB | KV cache GiB | beyond the KV cache GiB | bcg / mode (beyond the KV cache) |",
+             "|---|---|---|---|---|"]
+    for m, d in measured.items():
+        ratio = _ratio(beyond.get("bcg"), beyond[m]) if m != "bcg" else None
+        lines.append(f"| {m} | {_fmt(d['device_used_gib'], 3)} | {_fmt(d['kv_cache_gib'], 3)} | "
+                     f"{_fmt(beyond[m], 3)} | {_fmt(ratio, 3)} |")
+    return lines + [""]
+
+
+def _processes(result: dict) -> list[tuple[str, int, dict | None]]:
+    """(mode, round, host speed) of every mode process, in the order the run started them."""
+    seen: dict[str, int] = {}
+    processes = []
+    for mode in result.get("order") or []:
+        data = result["modes"].get(mode) or {}
+        k = seen.get(mode, 0)
+        seen[mode] = k + 1
+        runs = data.get("rounds") or [data]
+        if k < len(runs):
+            processes.append((mode, k + 1, runs[k].get("host_speed")))
+    return processes
+
+
+def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fastest: float | None,
+                    replaced: list[dict]) -> list[str]:
+    """The ratio tables of bcg mode ``mine`` against the other modes (``bcg_compile``: against the
+    host's own modes only): per-N minimum, paired by round, paired over unflagged rounds, and at
+    equal host speed (``replaced``: the processes the probe had run again)."""
+    if mine not in good or len(good) < 2:
+        return []
+    only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
+    title = "" if mine == "bcg" else f" of {mine}"
+    lines = []
+    for key, heading in (("e2e_ms", "End-to-end ratios"), ("ttft_ms", "Time-to-first-token ratios")):
+        ratios = _bcg_ratios(good, key, sizes, mine, only) if good[mine].get(key) else {}
+        if ratios:
+            lines += [f"## {heading}{title} (below 1: {mine} faster)", "", *_table(sizes, ratios, 3), ""]
+    paired = _paired_ratios(good, sizes, mine=mine, only=only)
+    if paired:
+        lines += [f"## End-to-end ratios{title} paired by round (median over rounds of {mine} / mode within one "
+                  "round)", "",
+                  "Each round runs every mode once, in alternating order, so a host that drifts over the run moves "
+                  "both sides of a pair alike; the per-N minimum above instead favours the mode whose rounds spread "
+                  "wider.", "", *_table(sizes, paired, 3), ""]
+    if paired and any(hostspeed.is_slow(s, fastest) for *_, s in run_order):
+        both_fast = _paired_ratios(good, sizes, min_pairs=1, mine=mine, only=only,
+                                   keep=lambda a, b: not (hostspeed.is_slow(a.get("host_speed"), fastest)
+                                                          or hostspeed.is_slow(b.get("host_speed"), fastest)))
+        lines += [f"## The same{title}, over the rounds in which neither process was flagged slow (host speed "
+                  "below)", "",
+                  "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
+                  "modes. Columns name how many rounds were kept.", ""]
+        lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
+    return lines + _equal_speed_section(good, replaced, sizes, mine, only, title)
+
+
+def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], mine: str,
+                         only: set[str] | None, title: str) -> list[str]:
+    """``mine``'s e2e over each other mode's (those in ``only``, if given) at equal host speed:
+    each mode's latency at N fitted against its processes' probes, read at the fastest probe
+    among them; then the forward's host time read the same way, which places the
+    end-to-end gap inside the forward or outside it. Every process counts, those the probe had run
+    again included: they were replaced for their host speed, which the fit accounts for. Empty
+    unless ``mine`` and another mode have ``hostspeed.MIN_FIT_PROCESSES`` probed processes."""
+    processes = {m: [r for r in (d.get("rounds") or [d]) + [x for x in replaced if x.get("mode") == m]
+                     if "e2e_ms" in r and r.get("host_speed")]
+                 for m, d in good.items() if m == mine or only is None or m in only}
+    fitted = {m: runs for m, runs in processes.items() if len(runs) >= hostspeed.MIN_FIT_PROCESSES}
+    if mine not in fitted or len(fitted) < 2:
+        return []
+    probe = min(r["host_speed"]["probe_us"] for runs in fitted.values() for r in runs)
+
+    def points(mode: str, key: str, n: str) -> list[tuple[float, float]]:
+        found = [(r["host_speed"]["probe_us"], r[key][n]) for r in fitted[mode] if n in (r.get(key) or {})]
+        return found if len(found) == len(fitted[mode]) else []
+
+    def tables(key: str) -> list[str]:
+        columns = {f"{mine} / {m} ({len(fitted[mine])} and {len(runs)} processes)": {
+            n: _ratio(hostspeed.latency_at(points(mine, key, n), probe), hostspeed.latency_at(points(m, key, n), probe))
+            for n in sizes} for m, runs in fitted.items() if m != mine}
+        if all(v is None for c in columns.values() for v in c.values()):
+            return []
+        quality = "; ".join(f"{m} " + "/".join(_fmt(hostspeed.fit_quality(points(m, key, n))) for n in sizes)
+                            for m in sorted(fitted, key=lambda m: m != mine))
+        return [*_table(sizes, columns, 3), "",
+                f"Correlation with probe, per N ({', '.join(sizes)}); near 1, host speed explains a mode's spread "
+                f"and the line holds: {quality}.", ""]
+
+    lines = [f"## End-to-end ratios{title} at equal host speed (below 1: {mine} faster)", "",
+             "Small-N latency follows the host probe from process to process. Per mode and N, a least-squares line "
+             "of each process's latency against its probe (processes run again included), read at the fastest "
+             f"probe among them ({probe:.0f} µs): the modes compared on the same host speed, not by which of "
+             f"their processes landed on a fast host. A mode needs {hostspeed.MIN_FIT_PROCESSES} or more probed "
+             "processes.", "", *tables("e2e_ms")]
+    forward = tables("forward_host_ms")
+    if forward:
+        lines += ["The host time issuing the model forward, read the same way: the part of the end-to-end ratio "
+                  "that lies in the forward.", "", *forward]
+    return lines
+
+
+def _bcg_ratios(good: dict, key: str, sizes: list[str], mine: str = "bcg",
+                only: set[str] | None = None) -> dict[str, dict]:
+    """``mine``'s ``key`` latency over each other mode's (those in ``only``, if given), and over the
+    best of them, per N; empty when there is no other mode."""
+    bcg = good[mine][key]
+    others = {m: d.get(key) or {} for m, d in good.items() if m != mine and (only is None or m in only)}
+    if not others:
+        return {}
+    ratios = {f"{mine} / {m}": {n: _ratio(bcg.get(n), e.get(n)) for n in sizes} for m, e in others.items()}
+    ratios[f"{mine} / best other"] = {
+        n: _ratio(bcg.get(n), min((e[n] for e in others.values() if n in e), default=None)) for n in sizes}
+    return ratios
+
+
+def _paired_ratios(good: dict, sizes: list[str], *, min_pairs: int = 2, mine: str = "bcg",
+                   only: set[str] | None = None,
+                   keep: Callable[[dict, dict], bool] | None = None) -> dict[str, dict]:
+    """Per other mode (those in ``only``, if given), the median over rounds of ``mine``'s e2e over
+    that mode's in the same round; only over rounds in which both ran (and ``keep(mine_round,
+    other_round)`` holds), and only with ``min_pairs`` such rounds or more. With ``keep`` the column
+    names how many rounds it kept."""
+    my_rounds = (good.get(mine) or {}).get("rounds") or []
+    columns = {}
+    for mode, data in good.items():
+        if mode == mine or (only is not None and mode not in only):
+            continue
+        rounds = [(a, b) for a, b in zip(my_rounds, data.get("rounds") or []) if "e2e_ms" in a and "e2e_ms" in b]
+        kept = [(a, b) for a, b in rounds if keep is None or keep(a, b)]
+        pairs = [(a["e2e_ms"], b["e2e_ms"]) for a, b in kept]
+        if len(pairs) >= min_pairs:
+            name = f"{mine} / {mode}" if keep is None else f"{mine} / {mode} ({len(kept)} of {len(rounds)})"
+            columns[name] = {
+                n: statistics.median(a[n] / b[n] for a, b in pairs) if all(n in a and n in b for a, b in pairs)
+                else None for n in sizes}
+    return columns
+
+
+def _table(sizes: list[str], columns: dict[str, dict], digits: int = 2) -> list[str]:
+    """A markdown table with one row per N and one column per series."""
+    return ["| N | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns),
+            *(f"| {n} | " + " | ".join(_fmt(c.get(n), digits) for c in columns.values()) + " |" for n in sizes)]
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def _fmt(v, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"

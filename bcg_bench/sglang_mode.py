@@ -1,0 +1,150 @@
+"""One SGLang benchmark mode in its own process: ``python -m bcg_bench.sglang_mode --mode M ...``.
+
+Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its CUDA default),
+``tc_piecewise`` (torch.compile piecewise graphs) and ``bcg``. Per N: the median end-to-end
+``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
+and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
+(N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
+:mod:`bcg_bench.harness`). Forward times and capture figures come from the bench-only
+patches, installed in the schedulers because this script sets ``BCG_BENCH_RECORD``; so does
+``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bcg_plugin.adapters.sglang import settings
+from bcg_bench.hostspeed import HostSpeed
+from bcg_bench.order import interleaved
+from bcg_bench.profile import PROFILE_TOKENS_ENV
+
+MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
+
+
+def step_tokens(record: dict) -> int:
+    """The step's size: under DP attention the largest rank's tokens (rank 0 may idle through it)."""
+    return max(record["across_dp"]) if record.get("across_dp") else record["tokens"]
+
+
+def _records(path: Path, kind: str, skip: int = 0) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()[skip:]
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def _line_count(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int = 1,
+        dp: int = 1) -> dict:
+    import sglang
+
+    from bcg_bench.models import model_dir
+
+    record = Path(tempfile.mkdtemp(prefix="bcg-sglang-bench-")) / "record.jsonl"
+    os.environ[settings.BENCH_RECORD_ENV] = str(record)
+    chunk = max(max(sizes), 16)
+    t0 = time.perf_counter()
+    engine = sglang.Engine(
+        model_path=str(model_dir(model)),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        attention_backend="triton",
+        disable_radix_cache=True,
+        chunked_prefill_size=chunk,
+        cuda_graph_backend_prefill=MODES[mode],
+        log_level="warning",
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+    )
+    init_s = time.perf_counter() - t0
+    rng = random.Random(seed)
+    params = {"max_new_tokens": 1, "temperature": 0.0}
+    prompts = {n: [rng.randrange(100, 150000) for _ in range(n)] for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    try:
+        for n in sizes:
+            for _ in range(warmup):
+                engine.generate(input_ids=prompts[n], sampling_params=params)
+        mark = _line_count(record)
+        speed = HostSpeed()  # this process issues the requests; the schedulers run the forwards
+        for n in interleaved(sizes, iters):
+            speed.sample()
+            s = time.perf_counter()
+            engine.generate(input_ids=prompts[n], sampling_params=params)
+            times[n].append((time.perf_counter() - s) * 1e3)
+        # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
+        measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
+        host_profile = None
+        profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
+        if profile_tokens:  # one extra request, in no median: the schedulers profile its forward
+            Path(settings.profile_arm_path(str(record))).touch()
+            engine.generate(input_ids=[rng.randrange(100, 150000) for _ in range(int(profile_tokens))],
+                            sampling_params=params)
+            host_profile = min(_records(record, "host_profile"), key=lambda r: r.get("rank", 0), default=None)
+    finally:
+        engine.shutdown()
+    e2e = {str(n): statistics.median(times[n]) for n in sizes}
+    fwd, fwd_host = {}, {}
+    for n in sizes:
+        forwards = [r for r in measured if step_tokens(r) == n]
+        if forwards:
+            fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
+            fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)
+    capture = (_records(record, "capture") or [{}])[-1]
+    return {
+        "mode": mode,
+        "size_order": "interleaved",
+        "prefill_backend_flag": MODES[mode],
+        "e2e_ms": e2e,
+        "forward_ms": fwd,
+        "forward_host_ms": fwd_host,
+        "init_s": init_s,
+        "capture_s": capture.get("seconds", 0.0),
+        "graph_mem_gib": capture.get("memory_gib", 0.0),
+        "host_profile": host_profile,
+        "host_speed": speed.summary(),
+        "prefill_runner": capture.get("runner"),
+        "bcg_pool_gib": capture.get("bcg_pool_gib"),
+        "bcg_graph_gib": capture.get("bcg_graph_gib"),
+        "bcg_capture_s": capture.get("bcg_capture_s"),
+        "bcg_warmup_s": capture.get("bcg_warmup_s"),
+        "chunked_prefill_size": chunk,
+        "tp_size": tp,
+        "dp_size": dp,
+        "warmup": warmup,
+        "iters": iters,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", required=True, choices=sorted(MODES))
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--sizes", default="16,64,256,512,1024,2048,4096,8192")
+    p.add_argument("--out", required=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tp_size")
+    p.add_argument("--dp", type=int, default=1, help="dp_size, with DP attention (SGLang needs tp_size >= dp_size)")
+    a = p.parse_args(argv)
+    sizes = sorted({int(s) for s in a.sizes.split(",") if s.strip()})
+    result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed, a.tp, a.dp)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("mode", "e2e_ms", "forward_ms", "init_s", "capture_s", "graph_mem_gib")}))
+
+
+if __name__ == "__main__":
+    main()

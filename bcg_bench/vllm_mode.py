@@ -1,0 +1,331 @@
+"""One vLLM benchmark mode in this process: ``python -m bcg_bench.vllm_mode --mode M ...``.
+
+Modes: ``eager`` (enforce_eager), ``native`` (vLLM's breakable graphs, default sizes), ``native_ladder``
+(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg`` (bcg
+over the plain model, ``torch_compile`` false), and ``bcg_compile`` (bcg with ``torch_compile``, the
+vLLM adapter's default: its graphs capture vLLM's default piecewise compilation).
+Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
+``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
+wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
+contract of :mod:`bcg_bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms), ``init_s``,
+``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
+forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one, and
+``graph_mem_allocator_gib``, the part of ``graph_mem_gib`` torch's caching allocator holds (graph
+pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries; and
+``device_used_gib`` and ``kv_cache_gib``, the device memory in use once every N has been served and the
+KV cache's part of it. What is left beyond the KV cache (weights, graphs, and the activation blocks
+torch's allocator keeps cached after the largest eager forward) is what each mode costs a server at
+the same workload, wherever its engine accounts for it. With
+``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
+under ``torch.profiler`` (:mod:`bcg_bench.profile`).
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
+
+``--dp N`` (MoE models: vLLM's offline data parallelism serves no dense model) starts one process
+per DP rank with vLLM's ``VLLM_DP_*`` variables and expert parallelism. A rank's engine loop starts
+only when its own process sends a request, so the ranks move in step (:mod:`bcg_bench.ranks`):
+at every measurement rank 0 sends the N-token request it times and every other rank a one-token
+request, which vLLM pads to rank 0's size. Rank 0 writes the result. The engines then run in their
+own processes, so only the end-to-end figures are recorded, as at tensor parallelism above 1.
+Under data parallelism ``generate()`` returns only when the DP wave ends, at least
+``DP_WAVE_MIN_STEPS`` engine steps after it began, most of them one-token dummy steps; so the run
+also records ``ttft_ms``, the time to first token from vLLM's own request metrics, which ends with
+the prefill step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bcg_bench.hostspeed import HostSpeed
+from bcg_bench.order import interleaved
+from bcg_bench.ranks import FileBarrier, free_port
+
+MODES = ("eager", "native", "native_ladder", "compile", "bcg", "bcg_compile")
+# vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
+# (EngineCore._has_global_unfinished_reqs in 0.26): the floor of a DP request's generate() time.
+DP_WAVE_MIN_STEPS = 32
+
+
+def _env_for(mode: str, in_process: bool = True) -> None:
+    # Must happen before vLLM is imported: the breakable-graph decorator is decided at import.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if mode in ("native", "native_ladder"):
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
+    else:
+        os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+
+
+class Timers:
+    """Capture time and memory around ``capture_model``, CUDA events around each model forward."""
+
+    def __init__(self) -> None:
+        from bcg_bench.profile import ForwardProfiler
+
+        self.capture_s = 0.0
+        self.kv_cache_bytes = 0
+        self.graph_bytes = 0
+        self.allocator_bytes = 0
+        self.forwards: list = []
+        self.profile_armed = False
+        self.profiler = ForwardProfiler.from_env(armed=lambda: self.profile_armed)  # bcg bench --profile N
+
+    def install(self) -> None:
+        import vllm.v1.worker.gpu.model_runner as v2
+        import vllm.v1.worker.gpu_model_runner as v1
+        from vllm.v1.worker.gpu_worker import Worker
+
+        Worker.initialize_from_config = self._timed_kv_cache(Worker.initialize_from_config)
+        for module in (v2, v1):
+            runner = module.GPUModelRunner
+            runner.capture_model = self._timed_capture(runner.capture_model)
+            module.set_forward_context = self._timed_context(module.set_forward_context)
+
+    def _timed_capture(self, original):
+        import torch
+
+        def capture_model(runner, *args, **kwargs):
+            torch.cuda.synchronize()
+            free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+            reserved_before = torch.cuda.memory_reserved()
+            result = original(runner, *args, **kwargs)
+            torch.cuda.synchronize()
+            self.capture_s += time.perf_counter() - start
+            self.graph_bytes += free_before - torch.cuda.mem_get_info()[0]
+            self.allocator_bytes += torch.cuda.memory_reserved() - reserved_before
+            return result
+
+        return capture_model
+
+    def _timed_kv_cache(self, original):
+        def initialize_from_config(worker, *args, **kwargs):
+            used_before = used_device_bytes()
+            result = original(worker, *args, **kwargs)
+            self.kv_cache_bytes += used_device_bytes() - used_before
+            return result
+
+        return initialize_from_config
+
+    def _timed_context(self, original):
+        import torch
+
+        @contextlib.contextmanager
+        def set_forward_context(*args, **kwargs):
+            num_tokens = kwargs.get("num_tokens")
+            with original(*args, **kwargs):
+                if num_tokens is None:
+                    yield
+                    return
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                t0 = time.perf_counter()
+                with self.profiler.around(num_tokens) if self.profiler else contextlib.nullcontext():
+                    yield
+                host_ms = (time.perf_counter() - t0) * 1e3
+                end.record()
+                self.forwards.append((num_tokens, start, end, host_ms))
+
+        return set_forward_context
+
+    def last_forward(self) -> tuple[float, float] | None:
+        """The largest forward since the last call (the prefill of the request just served):
+        its device time (CUDA events) and the host time spent issuing it."""
+        import torch
+
+        torch.cuda.synchronize()
+        if not self.forwards:
+            return None
+        _, start, end, host_ms = max(self.forwards, key=lambda f: f[0])
+        self.forwards.clear()
+        return start.elapsed_time(end), host_ms
+
+
+def bench_bcg_config(environ: dict | None = None) -> dict:
+    """The ``bcg`` mode's config: enabled, plus any key set as a ``BCG_*`` variable (as SGLang reads them)."""
+    from bcg_plugin.config import ENV_PREFIX, BcgConfig
+
+    env = os.environ if environ is None else environ
+    chosen = BcgConfig.from_env(env)
+    values = chosen.to_dict() if chosen is not None else {}
+    return {**{k: v for k, v in values.items() if ENV_PREFIX + k.upper() in env}, "enable": True}
+
+
+def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int = 1) -> dict:
+    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_bench.models import model_dir
+    from bcg_plugin.ladder import reference_ladder
+
+    chunk = max(max(sizes), 2048)
+    # max_num_seqs stays vLLM's default: it sets the default graph sizes (native's, and the FULL
+    # decode graphs bcg keeps) as users get them, up to 512 tokens on H200-class GPUs.
+    kwargs = dict(model=str(model_dir(model)), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                  max_model_len=chunk + 64, max_num_batched_tokens=chunk, seed=0,
+                  enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                  tensor_parallel_size=tp, worker_extension_cls=WORKER_EXTENSION)
+    if dp > 1:  # the experts spread over the DP ranks: their dispatch is a collective of all of them
+        kwargs["enable_expert_parallel"] = True
+        kwargs["disable_log_stats"] = False  # the request metrics that hold the time to first token
+    if mode == "eager":
+        kwargs["enforce_eager"] = True
+    elif mode == "native_ladder":
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
+                                        "max_cudagraph_capture_size": chunk}
+    elif mode == "bcg":  # bcg over the plain model (vLLM's compilation off)
+        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": False}}
+    elif mode == "bcg_compile":  # bcg over vLLM's default (-O2) piecewise compilation
+        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": True}}
+    return kwargs
+
+
+def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int = 1,
+        dp: int = 1, dp_rank: int = 0, barrier_dir: str | None = None) -> dict:
+    _env_for(mode, in_process=dp == 1)
+    from vllm import LLM, SamplingParams
+
+    if mode.startswith("bcg"):
+        # Installed now (the engine would install them at worker start) so the timers wrap them.
+        from bcg_plugin.adapters.vllm import plugin
+
+        plugin.register()
+        plugin.apply_runner_patches()
+    timers = Timers()
+    timers.install()
+
+    start = time.perf_counter()
+    kwargs = engine_kwargs(mode, model, sizes, tp, dp)
+    llm = LLM(**kwargs)
+    init_s = time.perf_counter() - start
+    barrier = FileBarrier(barrier_dir, dp_rank, dp) if dp > 1 else None
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rng = random.Random(0)
+    times, forwards, hosts, ttfts = ({n: [] for n in sizes} for _ in range(4))
+
+    def generate(n: int) -> tuple[float, tuple[float, float] | None, float | None]:
+        if barrier is not None:
+            barrier.wait()
+            n = n if dp_rank == 0 else 1
+        prompt = {"prompt_token_ids": [rng.randint(100, 150_000) for _ in range(n)]}
+        timers.forwards.clear()
+        t0 = time.perf_counter()
+        outputs = llm.generate([prompt], params, use_tqdm=False)
+        elapsed = (time.perf_counter() - t0) * 1e3
+        return elapsed, timers.last_forward(), first_token_ms(outputs)
+
+    for n in sizes:
+        for _ in range(warmup):
+            generate(n)
+    speed = HostSpeed()
+    for n in interleaved(sizes, reps):
+        speed.sample()
+        elapsed, f, ttft = generate(n)
+        times[n].append(elapsed)
+        if f is not None:
+            forwards[n].append(f[0])
+            hosts[n].append(f[1])
+        if ttft is not None:
+            ttfts[n].append(ttft)
+    device_used = used_device_bytes() if tp == 1 and dp == 1 else None  # before the profiled request
+    if timers.profiler is not None and tp == 1 and dp == 1:  # one extra request, in no median
+        timers.profile_armed = True
+        generate(timers.profiler.tokens)
+    e2e = {str(n): statistics.median(times[n]) for n in sizes}
+    fwd = {str(n): statistics.median(forwards[n]) for n in sizes if forwards[n]}
+    fwd_host = {str(n): statistics.median(hosts[n]) for n in sizes if hosts[n]}
+    for n in sizes:
+        print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
+
+    result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp,
+              "data_parallel_size": dp, "host_speed": speed.summary()}
+    if tp == 1 and dp == 1:
+        result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
+                      graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,
+                      device_used_gib=device_used / 2**30, kv_cache_gib=timers.kv_cache_bytes / 2**30,
+                      host_profile=timers.profiler.summary if timers.profiler else None)
+    else:  # the model runners live in vLLM's worker processes, out of these timers' reach
+        result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
+    if dp > 1:
+        if not all(ttfts[n] for n in sizes):
+            raise RuntimeError("vLLM returned no request metrics (first_token_latency) under data parallelism")
+        result["ttft_ms"] = {str(n): statistics.median(ttfts[n]) for n in sizes}
+        result["note"] += (f". Under data parallelism generate() returns when the DP wave ends, at least "
+                           f"{DP_WAVE_MIN_STEPS} engine steps after it began, most of them one-token dummy steps: "
+                           "end-to-end time measures those steps more than the prefill; time to first token "
+                           "(vLLM's request metrics) ends with the prefill step")
+    if mode.startswith("bcg"):
+        result["bcg_config"] = kwargs["additional_config"]["bcg"]
+        result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
+    if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective
+        barrier.wait()
+    return result
+
+
+def used_device_bytes() -> int:
+    """Device memory in use on this process's GPU (the engine's, at tp=1: one mode runs at a time)."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def first_token_ms(outputs: Any) -> float | None:
+    """Time to first token of the one request, from vLLM's request metrics (``None`` without them)."""
+    metrics = getattr(outputs[0], "metrics", None) if outputs else None
+    latency = getattr(metrics, "first_token_latency", None)
+    return latency * 1e3 if latency else None
+
+
+def dp_rank_envs(dp: int) -> list[dict[str, str]]:
+    """Per DP rank, the variables of vLLM's offline data-parallel recipe (one host, one free
+    rendezvous port shared by the ranks)."""
+    group = {"VLLM_DP_SIZE": str(dp), "VLLM_DP_MASTER_IP": "127.0.0.1", "VLLM_DP_MASTER_PORT": str(free_port())}
+    return [{**group, "VLLM_DP_RANK": str(r), "VLLM_DP_RANK_LOCAL": str(r)} for r in range(dp)]
+
+
+def launch_dp_ranks(argv: list[str], dp: int) -> int:
+    """Run this script once per DP rank (``argv`` plus the rank); the exit code of the first
+    rank that failed, else 0. Rank 0 writes ``--out``."""
+    barrier_dir = tempfile.mkdtemp(prefix="bcg-bench-dp-")
+    procs = [subprocess.Popen([sys.executable, "-m", __spec__.name, *argv, "--dp-rank", str(r),
+                               "--dp-barrier", barrier_dir], env={**os.environ, **rank_env})
+             for r, rank_env in enumerate(dp_rank_envs(dp))]
+    codes = [p.wait() for p in procs]  # the harness bounds the mode's time and ends its process group
+    return next((c for c in codes if c != 0), 0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--sizes", default="16,64,256,512,1024,2048,4096,8192")
+    p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks, one process each (MoE models)")
+    p.add_argument("--dp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dp-barrier", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.dp > 1 and args.dp_rank is None:
+        raise SystemExit(launch_dp_ranks(sys.argv[1:] if argv is None else argv, args.dp))
+    result = run(args.mode, args.model, sizes, args.reps, args.warmup, args.tp,
+                 args.dp, args.dp_rank or 0, args.dp_barrier)
+    if (args.dp_rank or 0) == 0:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

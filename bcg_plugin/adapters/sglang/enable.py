@@ -1,0 +1,47 @@
+"""Turning bcg on from SGLang's own prefill-backend flag, in the launching process."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from bcg_plugin.adapters.sglang import settings
+from bcg_plugin import BcgConfigError
+
+logger = logging.getLogger("bcg_plugin.sglang")
+
+# Whether this process set BCG_ENABLE itself (from the flag): a later ServerArgs without the flag
+# (a second Engine in the same script) must not inherit it, while a user's own export stays.
+_set_by_flag = False
+
+
+def translate_server_args(args) -> None:
+    """Map ``cuda_graph_backend_prefill="bcg"`` to SGLang's auto choice and export ``BCG_ENABLE``.
+
+    ``None`` (auto) rather than ``"breakable"`` keeps SGLang's compatibility cascade and memory
+    headroom gate, which an explicit backend skips; bcg then serves prefill wherever SGLang would
+    have used its breakable runner. ``BCG_*`` is validated here so a bad value stops the launch
+    with the key named, before any scheduler starts.
+    """
+    global _set_by_flag
+    if getattr(args, "cuda_graph_backend_decode", None) == settings.FLAG_VALUE:
+        raise BcgConfigError(
+            f"cuda_graph_backend_decode={settings.FLAG_VALUE!r}: bcg captures prefill only; use "
+            f"--cuda-graph-backend-prefill {settings.FLAG_VALUE}"
+        )
+    if getattr(args, "cuda_graph_backend_prefill", None) == settings.FLAG_VALUE:
+        args.cuda_graph_backend_prefill = None
+        os.environ[settings.ENABLE_ENV] = "1"
+        _set_by_flag = True
+        config = settings.read_config()
+        if not config.active:
+            raise BcgConfigError(
+                f"--cuda-graph-backend-prefill {settings.FLAG_VALUE} asks for bcg but BCG_MAX_TOKENS=0 "
+                "disables it; drop one of the two"
+            )
+        logger.info("bcg: prefill CUDA graphs enabled (%s)", config.to_dict())
+        return
+    if _set_by_flag:
+        os.environ.pop(settings.ENABLE_ENV, None)
+        _set_by_flag = False
+    settings.read_config()

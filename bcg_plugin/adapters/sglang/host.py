@@ -1,0 +1,194 @@
+"""bcg's host hooks for one SGLang ``ModelRunner``: inputs, capture batch, body, tail."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bcg_plugin.adapters.sglang.attention import ForwardPass
+from bcg_plugin import HostBatch, StaticInput, hookimpl
+
+
+class SglangHost:
+    """The pieces of one SGLang model runner that bcg's core captures and replays.
+
+    Holds the runner, the module owning the decoder layers and their input embedding (the
+    captured body) and the capture stream SGLang's ``graph_capture()`` context provides.
+
+    The graph's per-row inputs are ``input_ids``, ``positions`` and ``out_cache_loc``: every
+    per-token tensor model Python may read inside the body, so nothing the segments read is frozen
+    at a capture-time address (padded rows: token 0, position 0, cache slot 0 which SGLang
+    reserves for padding writes). The embedding lookup is captured in the first segment: batches
+    that bring their own embeddings (multimodal, ``input_embeds``) never replay
+    (:meth:`~bcg_plugin.adapters.sglang.runner.BcgPrefillRunner.can_replay_locally`), so no step needs an
+    eager lookup or an embeddings copy.
+    """
+
+    def __init__(self, model_runner: Any, layer_model: Any):
+        self.model_runner = model_runner
+        self.layer_model = layer_model
+        self.device = torch.device(model_runner.device, torch.cuda.current_device())
+        self.capture_stream: torch.cuda.Stream | None = None
+        self._dp = _dp_layout(model_runner)
+        # Per bucket, the capture-time DP token counts on the device. Graphs whose body reads them
+        # (DP scatter under attention tensor parallelism) keep their addresses: they must outlive
+        # the dummy batch that brought them, as SGLang's own runner keeps its dummy batch.
+        self._dp_counts: dict[int, torch.Tensor] = {}
+
+    def forward_pass(self, forward_batch: Any, forward_kwargs: dict | None = None) -> ForwardPass:
+        return ForwardPass(
+            forward_batch=forward_batch,
+            attn_backend=self.model_runner.attn_backend,
+            attention_layers=self.model_runner.attention_layers,
+            forward_kwargs=forward_kwargs or {},
+        )
+
+    # -- bcg hooks -----------------------------------------------------------------------------
+
+    @hookimpl
+    def bcg_static_inputs(self) -> dict[str, StaticInput]:
+        return {
+            "input_ids": StaticInput((), torch.int64, 0),
+            "positions": StaticInput((), torch.int64, 0),
+            "out_cache_loc": StaticInput((), torch.int64, 0),
+        }
+
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
+        """A plain extend of ``num_tokens`` new tokens, as few requests as the context allows."""
+        from sglang.srt.layers.dp_attention import DpPaddingMode
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+
+        mr, dev = self.model_runner, self.device
+        ctx = mr.model_config.context_len
+        seq_lens = [min(ctx, num_tokens - s) for s in range(0, num_tokens, ctx)]
+        bs = len(seq_lens)
+        starts = [sum(seq_lens[:i]) for i in range(bs)]
+        lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in seq_lens])
+        out_cache_loc = torch.zeros(num_tokens, dtype=torch.int64, device=dev)  # SGLang's padding slot
+        dp = self._dp_fields(num_tokens)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=bs,
+            input_ids=ids,
+            req_pool_indices=torch.arange(bs, dtype=torch.int64, device=dev),
+            seq_lens=lens,
+            orig_seq_lens=lens.clone(),
+            seq_lens_cpu=lens.cpu(),
+            out_cache_loc=out_cache_loc,
+            seq_lens_sum=num_tokens,
+            return_logprob=False,
+            extend_num_tokens=num_tokens,
+            extend_seq_lens=lens.clone(),
+            extend_prefix_lens=torch.zeros(bs, dtype=torch.int64, device=dev),
+            extend_start_loc=torch.tensor(starts, dtype=torch.int64, device=dev),
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=list(seq_lens),
+            extend_logprob_start_lens_cpu=list(seq_lens),
+            positions=positions,
+            dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(),
+            spec_algorithm=None,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            num_token_non_padded_cpu=num_tokens,
+            global_forward_mode=ForwardMode.EXTEND,
+            **dp,
+        )
+        # Planned eagerly, once per bucket; every replay plans its own live batch instead.
+        mr.attn_backend.init_forward_metadata(fb)
+        inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
+        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb))
+
+    @hookimpl
+    def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: ForwardPass) -> torch.Tensor:
+        from sglang.srt.layers.dp_attention import set_dp_buffer_len, set_is_extend_in_batch
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import (
+            set_tc_piecewise_forward_context,
+        )
+
+        mr, fb = self.model_runner, payload.forward_batch
+        rows = inputs["input_ids"].shape[0]
+        # Model Python reading per-token fields inside the body must see the static buffers.
+        fb.input_ids, fb.positions, fb.out_cache_loc = inputs["input_ids"], inputs["positions"], inputs["out_cache_loc"]
+        fb.dp_local_start_pos = fb.dp_local_num_tokens = None
+        set_dp_buffer_len(fb.global_dp_buffer_len, rows, fb.dp_padding_mode.is_max_len(), fb.global_num_tokens_cpu)
+        set_is_extend_in_batch(False)
+        # The tc-piecewise context is what makes RadixAttention take its breakable op (which
+        # bcg's patch routes to its own break); bcg's break itself never reads it.
+        with forward_context(ForwardContext(attn_backend=mr.attn_backend)), set_tc_piecewise_forward_context(
+            fb,
+            mr.attention_layers,
+            getattr(mr.model, "quant_config", None),
+            mr.moe_layers,
+            mr.moe_fusions,
+            dsa_indexers=getattr(mr, "dsa_indexers", None),
+            mha_companion_layers=mr.mha_companion_layers,
+            num_tokens=rows,
+            raw_num_tokens=rows,
+        ), torch.no_grad():
+            hidden = self.layer_model.forward(inputs["input_ids"], inputs["positions"], fb)
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(
+                f"{type(self.layer_model).__name__}.forward returned {type(hidden).__name__}, not hidden "
+                "states (aux hidden states / pipeline proxies are not captured by bcg)"
+            )
+        return hidden
+
+    @hookimpl
+    def bcg_logits_tail(self, hidden: torch.Tensor, batch: HostBatch) -> Any:
+        """The outer ``model.forward`` run eagerly on the live batch, its body replaced by ``hidden``.
+
+        Whatever the model does after its decoder (logits processor, input logprobs, pooling)
+        runs exactly as in an eager forward, on the real rows only.
+        """
+        fwd: ForwardPass = batch.payload
+        fb = fwd.forward_batch
+        layer_model = self.layer_model
+        shadowed = layer_model.__dict__.get("forward")
+        layer_model.forward = lambda *args, **kwargs: hidden
+        try:
+            with torch.no_grad():
+                return self.model_runner.model.forward(fb.input_ids, fb.positions, fb, **fwd.forward_kwargs)
+        finally:
+            if shadowed is None:
+                del layer_model.forward
+            else:
+                layer_model.forward = shadowed
+
+    @hookimpl
+    def bcg_world_group(self) -> Any:
+        return getattr(self.model_runner.tp_group, "cpu_group", None)
+
+    @hookimpl
+    def bcg_capture_stream(self) -> torch.cuda.Stream | None:
+        return self.capture_stream
+
+    # -- data-parallel attention ---------------------------------------------------------------
+
+    def _dp_fields(self, num_tokens: int) -> dict[str, Any]:
+        """Capture-time DP layout: every rank at ``num_tokens`` (SGLang pads replays to match)."""
+        if self._dp is None:
+            return {}
+        counts = [num_tokens] * self._dp
+        gpu = self._dp_counts.setdefault(num_tokens, torch.tensor(counts, dtype=torch.int32, device=self.device))
+        return {
+            "global_num_tokens_cpu": counts,
+            "global_num_tokens_gpu": gpu,
+            "global_num_tokens_for_logprob_gpu": gpu,
+            "global_dp_buffer_len": sum(counts),
+        }
+
+
+def _dp_layout(model_runner: Any) -> int | None:
+    """Ranks whose token counts the body gathers over, or ``None`` without DP attention."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils import require_attn_tp_gather, require_mlp_tp_gather
+
+    if require_mlp_tp_gather(model_runner.server_args):
+        return get_parallel().dp_size
+    if require_attn_tp_gather(model_runner.server_args):
+        return 1
+    return None

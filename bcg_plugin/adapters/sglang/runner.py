@@ -1,0 +1,253 @@
+"""bcg's prefill runner in SGLang's ``model_runner.prefill_cuda_graph_runner`` slot.
+
+One replay is a straight line (:meth:`BcgPrefillRunner.execute`): SGLang asks ``can_run_graph``
+(the adapter picks the bucket, honouring the DP vote), the live batch's attention metadata is
+planned, and the core lands the inputs, replays segments and attention breaks, and runs the
+logits tail (:class:`~bcg_plugin.adapters.sglang.host.SglangHost`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from bcg_plugin.adapters.sglang import eligibility, settings
+from bcg_plugin.adapters.sglang.host import SglangHost
+from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, plugin_manager
+from bcg_plugin.ladder import choose_bucket
+from bcg_plugin.metrics import host_exporter
+from bcg_plugin.stats import StatsReporter
+
+logger = logging.getLogger("bcg_plugin.sglang")
+
+
+class BcgPrefillRunner:
+    """Duck-typed stand-in for SGLang's ``PrefillCudaGraphRunner`` (not an ``EagerRunner``).
+
+    Holds the core :class:`~bcg_plugin.PrefillGraphRunner` (graphs in its own private pool, one
+    capture stream, owned inputs/outputs), the SGLang host hooks, the bucket chosen by the last
+    ``can_run_graph`` for the ``execute`` that follows it, and the periodic stats reporter (log line, Prometheus when SGLang's metrics are on).
+    SGLang's scheduler calls :meth:`can_replay_locally` for the DP vote; ``enable_lora`` and
+    ``enable_cp_v2_bcg_capture`` are read by SGLang and always off here.
+    """
+
+    enable_lora = False
+    enable_cp_v2_bcg_capture = False
+
+    def __init__(self, model_runner: Any, config: BcgConfig, host: SglangHost):
+        from sglang.srt.distributed.parallel_state import graph_capture
+
+        self.model_runner = model_runner
+        self.host = host
+        prefill = model_runner.server_args.cuda_graph_config.prefill
+        self.core = PrefillGraphRunner(plugin_manager(host), config, chunk_size=_chunk_size(model_runner))
+        exporter = host_exporter("sglang:", logger) if model_runner.server_args.enable_metrics else None
+        self.stats_reporter = StatsReporter(self.core.stats, logger=logger, interval_s=settings.stats_interval(),
+                                            exporter=exporter)
+        self._stale_for_test = settings.stale_metadata_for_test()
+        self._planned: tuple[Any, int] | None = None
+        self._previous_replay: Any = None
+        model_runner.tp_group.barrier()
+        # SGLang's capture context: its stream, and custom all-reduce buffer registration for TP.
+        with graph_capture() as ctx:
+            host.capture_stream = ctx.stream
+            with _breakable_capture_flag():
+                self.core.capture(progress=_first_tp_rank(model_runner))
+        host.capture_stream = None
+        if self.core.captured:
+            # SGLang's DP MAX_LEN padding compares against this list: keep it equal to bcg's ladder.
+            prefill.bs = list(self.core.buckets)
+
+    # -- SGLang's runner interface -------------------------------------------------------------
+
+    def can_replay_locally(
+        self,
+        *,
+        batch_size: int,
+        num_tokens: int | None,
+        input_embeds: Any,
+        replace_embeds: Any,
+        prefix_lens: Any,
+        is_target_verify: bool,
+        capture_hidden_mode: Any,
+        return_logprob: bool,
+        lora_ineligible: bool = False,
+        chunked_prefix_uncapturable: bool = False,
+    ) -> bool:
+        """This rank's vote: a pure function of the batch, so every rank votes alike for alike."""
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+        if not self.core.captured or lora_ineligible or chunked_prefix_uncapturable or is_target_verify:
+            return False
+        if input_embeds is not None or replace_embeds is not None:
+            return False
+        # The tail returns views of the shared output buffer as hidden states otherwise.
+        if capture_hidden_mode is not None and capture_hidden_mode != CaptureHiddenMode.NULL:
+            return False
+        if num_tokens is None:
+            return True
+        bucket = choose_bucket(self.core.buckets, num_tokens)
+        ratio = self.core.config.max_padding_ratio
+        return bucket is not None and (ratio is None or bucket <= ratio * num_tokens)
+
+    def can_run_graph(self, forward_batch: Any) -> bool:
+        self._planned = None
+        self.stats_reporter.tick()
+        if not self.can_replay_locally(
+            batch_size=forward_batch.batch_size,
+            num_tokens=None,
+            input_embeds=forward_batch.input_embeds,
+            replace_embeds=forward_batch.replace_embeds,
+            prefix_lens=forward_batch.extend_prefix_lens_cpu,
+            is_target_verify=forward_batch.forward_mode.is_target_verify(),
+            capture_hidden_mode=forward_batch.capture_hidden_mode,
+            return_logprob=forward_batch.return_logprob,
+        ):
+            if self.core.captured:
+                self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+            return False
+        across_dp = forward_batch.global_num_tokens_cpu
+        if across_dp is not None and len(across_dp) > 1:
+            # SGLang's schedule-time vote (all ranks' can_replay_locally, min-reduced) plus every
+            # rank holding tokens: replicated values, so every rank takes the same branch.
+            agreed = bool(forward_batch.can_run_dp_breakable_cuda_graph) and all(int(n) > 0 for n in across_dp)
+            bucket = self.core.bucket_for(
+                len(forward_batch.input_ids),
+                num_tokens_across_dp=[int(n) for n in across_dp],
+                all_ranks_extend=agreed,
+            )
+        else:
+            bucket = self.core.bucket_for(len(forward_batch.input_ids))
+        if bucket is None:
+            return False
+        self._planned = (forward_batch, bucket)
+        return True
+
+    def execute(self, forward_batch: Any, **kwargs: Any) -> Any:
+        planned, self._planned = self._planned, None
+        if planned is None or planned[0] is not forward_batch:
+            raise RuntimeError("bcg: execute() without a matching can_run_graph() for this batch")
+        bucket = planned[1]
+        self._plan_attention(forward_batch)
+        batch = HostBatch(
+            num_tokens=len(forward_batch.input_ids),
+            inputs={
+                "input_ids": forward_batch.input_ids,
+                "positions": forward_batch.positions,
+                "out_cache_loc": forward_batch.out_cache_loc,
+            },
+            payload=self.host.forward_pass(forward_batch, kwargs),
+        )
+        return self.core.replay(bucket, batch)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _plan_attention(self, forward_batch: Any) -> None:
+        """Plan attention for the live batch (the one per-replay metadata step, outside the graph)."""
+        backend = self.model_runner.attn_backend
+        previous, self._previous_replay = self._previous_replay, forward_batch
+        if (
+            self._stale_for_test
+            and previous is not None
+            and previous.forward_mode.is_extend()  # an idle DP rank's padded forward is IDLE again by now
+            and len(previous.input_ids) == len(forward_batch.input_ids)
+        ):
+            # Negative control only: the previous replay's plan, in bounds but wrong for this batch.
+            backend.init_forward_metadata(previous)
+            return
+        if hasattr(self.model_runner.model, "prepare_forward_batch"):
+            self.model_runner.model.prepare_forward_batch(forward_batch)
+        backend.init_forward_metadata(forward_batch)
+
+    def close(self) -> None:
+        self.core.close()
+
+
+def _chunk_size(model_runner: Any) -> int:
+    """No forward exceeds this: SGLang's prefill graph ceiling (its chunked-prefill size), or the
+    most tokens its request pool's rows can hold where that is less.
+
+    A request extends by at most ``context_len`` tokens a step, and a step holds at most the pool's
+    ``size`` requests (``max_running_requests``, per DP worker). Buckets above that product would
+    never replay, and their capture batches (as few requests of ``context_len`` as the bucket needs)
+    would hold more requests than the pool: the attention backend's per-request metadata is sized
+    for the pool, so the top bucket's capture failed there and left every prefill eager.
+    """
+    prefill = model_runner.server_args.cuda_graph_config.prefill
+    chunk = model_runner.server_args.chunked_prefill_size
+    if prefill.max_bs:
+        ceiling = int(prefill.max_bs)
+    elif chunk and chunk > 0:
+        ceiling = int(chunk)
+    else:
+        ceiling = int(max(prefill.bs))
+    pool = getattr(model_runner, "req_to_token_pool", None)
+    if pool is None:
+        return ceiling
+    limit = int(pool.size) * int(model_runner.model_config.context_len)
+    if limit < ceiling and _first_tp_rank(model_runner):
+        logger.info("bcg: prefill graphs up to %d tokens, what %d requests of context_len %d hold; SGLang's "
+                    "prefill ceiling (%d) is more than a step can schedule", limit, pool.size,
+                    model_runner.model_config.context_len, ceiling)
+    return min(ceiling, limit)
+
+
+def _first_tp_rank(model_runner: Any) -> bool:
+    """Whether this is the TP group's first rank, the one that logs and shows progress for all."""
+    return getattr(getattr(model_runner, "ps", None), "tp_rank", 0) == 0
+
+
+class _breakable_capture_flag:
+    """SGLang's process-global 'in a breakable capture' flag, on while bcg captures.
+
+    RadixAttention and the capture-mode checks key off it; its context manager is SGLang's own.
+    """
+
+    def __enter__(self):
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+            enable_breakable_cuda_graph,
+        )
+
+        self._cm = enable_breakable_cuda_graph()
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def build_runner(model_runner: Any, native_cls: type, config: BcgConfig) -> Any:
+    """bcg's runner for ``model_runner``, or SGLang's ``native_cls`` runner if bcg cannot serve it."""
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _resolve_transformer_layer_model
+
+    layer_model = _resolve_transformer_layer_model(model_runner.model)
+    reason = eligibility.layers_reason(model_runner, layer_model)
+    if reason is not None:
+        logger.warning("bcg: not serving prefill for this model (%s); SGLang's own runner is used", reason)
+        return native_cls(model_runner)
+    host = SglangHost(model_runner, layer_model)
+    return BcgPrefillRunner(model_runner, config, host)
+
+
+def capture_prefill_graph(original_fn, *args, **kwargs):
+    """Body of the ``capture_prefill_graph`` patch: SGLang's function, building bcg's runner."""
+    from bcg_plugin.adapters import sglang as adapter
+
+    if not adapter.is_active():
+        return original_fn(*args, **kwargs)
+    config = settings.read_config()
+    model_runner = kwargs.get("model_runner")
+    if not config.active or model_runner is None:
+        return original_fn(*args, **kwargs)
+    reason = eligibility.runner_reason(model_runner)
+    if reason is not None:
+        if not model_runner.is_draft_worker:
+            logger.warning("bcg: not serving prefill (%s); SGLang's own runner is used", reason)
+        return original_fn(*args, **kwargs)
+    module = sys.modules[original_fn.__module__]
+    native_cls = module.PrefillCudaGraphRunner
+    module.PrefillCudaGraphRunner = lambda mr: build_runner(mr, native_cls, config)
+    try:
+        return original_fn(*args, **kwargs)
+    finally:
+        module.PrefillCudaGraphRunner = native_cls

@@ -1,0 +1,26 @@
+"""Attention as bcg's eager break in vLLM: a kernel for ``vllm::unified_attention_with_output``.
+
+vLLM's attention layer calls this op with q, k, v and an ``output`` out-parameter; the op reads
+the batch's metadata, KV cache and layer from vLLM's forward context on every call. Registered as
+the op's kernel, vLLM's own function, marked as an eager break, ends the current graph segment
+under a bcg capture and re-runs at every replay; everywhere else (eager forwards, vLLM's own FULL
+decode capture) it is a plain call, because bcg breaks only under bcg's own capture.
+
+The break reads whichever forward context is current when it runs: at capture the dummy batch's,
+which :meth:`~bcg_plugin.adapters.vllm.host.VllmHost.bcg_body_forward` binds, and at replay the one vLLM
+set for the step. A replay is a straight call of vLLM's function, as in vLLM's own breakable
+graphs; the stale-metadata negative control of the GPU tests binds the capture-time context
+around the replay instead (:meth:`~bcg_plugin.adapters.vllm.graphs.VllmPrefillGraphs.forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bcg_plugin import eager_break
+
+
+def make_attention_break(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The break kernel for vLLM's registered ``unified_attention_with_output`` function."""
+    return eager_break(original, outputs=("output",))

@@ -1,0 +1,217 @@
+"""One vLLM model runner's prefill graphs: what the patched runner methods call.
+
+The runner patches stay one-liners that hand over to :class:`VllmPrefillGraphs`:
+``dispatch`` -> :meth:`bucket_for`, the PIECEWISE forward -> :meth:`forward`, capture ->
+:meth:`capture`. A replay then reads as one line: vLLM's dispatch picked the bucket (so DP ranks
+agree through vLLM's own synchronisation), the core lands the inputs, replays segments and
+attention breaks, and the hidden rows go back to vLLM's eager logits path.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+
+from bcg_plugin.adapters.vllm.config import SUPPORTED_BACKENDS, bcg_config
+from bcg_plugin.adapters.vllm.host import VllmHost
+from bcg_plugin.adapters.vllm.log import logger
+from bcg_plugin import Fallback, HostBatch, PrefillGraphRunner, plugin_manager
+from bcg_plugin.metrics import host_exporter
+from bcg_plugin.stats import StatsReporter
+
+# Test-only: replay with the forward context the bucket was captured with instead of the live one
+# (NOTES pitfall 8). The GPU tests use it as the negative control that must fail the comparison.
+STALE_METADATA_ENV = "BCG_VLLM_TESTING_STALE_METADATA"
+STATS_LOG_INTERVAL_S = 30.0
+# vLLM serves /metrics from the API server's own registry unless prometheus_client runs in
+# multiprocess mode; the runner's counters live in the engine process.
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+METRICS_NOTE = (f"bcg's Prometheus counters reach vLLM's /metrics only with {METRICS_ENV} set to an empty "
+                "directory before `vllm serve` starts (prometheus_client's multiprocess mode); the periodic "
+                "log line works without it")
+_GRAPH_INPUTS = ("input_ids", "positions", "inputs_embeds")
+
+# Every live instance in this process, for the benchmark and tests (weak: runners own them).
+INSTANCES: weakref.WeakSet = weakref.WeakSet()
+
+
+def step_token_limit(vllm_config: Any, *, log: bool = False) -> int:
+    """The most tokens one step can schedule, and so bcg's top bucket: ``max_num_batched_tokens``,
+    or ``max_num_seqs`` x ``max_model_len`` where that is smaller.
+
+    A request schedules at most ``max_model_len`` tokens a step, and vLLM only warns when the chunk
+    exceeds what ``max_num_seqs`` such requests hold. Buckets above it would never replay, and their
+    capture batches would hold more tokens than the block table can address (V2's one-request
+    capture batch read attention's block ids past the table's end: an illegal memory access).
+    """
+    chunk = vllm_config.scheduler_config.max_num_batched_tokens
+    limit = vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
+    if limit < chunk and log:
+        logger.info("bcg: prefill graphs up to %d tokens, what max_num_seqs (%d) requests of max_model_len (%d) "
+                    "tokens hold; max_num_batched_tokens (%d) is more than a step can schedule", limit,
+                    vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len, chunk)
+    return min(chunk, limit)
+
+
+def runner_unsupported_reason(model: Any, attn_groups: Any, kv_cache_config: Any) -> str | None:
+    """Features only a built runner reveals: attention backends, KV-cache kinds, model inputs."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    backends = {group.backend.get_name() for groups in attn_groups for group in groups}
+    unsupported = sorted(backends - set(SUPPORTED_BACKENDS))
+    if unsupported:
+        return f"attention backend(s) {unsupported} (supported: {', '.join(SUPPORTED_BACKENDS)})"
+    if any(not isinstance(g.kv_cache_spec, AttentionSpec) for g in kv_cache_config.kv_cache_groups):
+        return "KV-cache groups other than attention (e.g. Mamba state)"
+    if getattr(model, "requires_raw_input_tokens", False) or not hasattr(model, "embed_input_ids"):
+        return "models that read raw token ids inside the body"
+    return None
+
+
+class VllmPrefillGraphs:
+    """The core runner and the vLLM host hooks for one model runner.
+
+    Attributes:
+        host: the hooks (:class:`~bcg_plugin.adapters.vllm.host.VllmHost`) the core calls.
+        runner: the core :class:`~bcg_plugin.PrefillGraphRunner` (ladder up to the chunk size, or
+            :func:`step_token_limit` where a step can hold fewer tokens).
+        stale_metadata: test-only negative control (see ``STALE_METADATA_ENV``).
+    """
+
+    def __init__(self, host: VllmHost, vllm_config: Any, *, reports: bool = True):
+        self.host = host
+        self._reports = reports and _first_tp_rank()
+        self.runner = PrefillGraphRunner(
+            plugin_manager(*host.plugins()), bcg_config(vllm_config),
+            chunk_size=step_token_limit(vllm_config, log=self._reports), device=host.device,
+        )
+        self.stale_metadata = os.environ.get(STALE_METADATA_ENV) == "1"
+        self._buckets = frozenset()
+        self._slot_mapping_probe: tuple[str, int] | None = None
+        self.reporter = StatsReporter(
+            self.runner.stats, logger=logger, interval_s=STATS_LOG_INTERVAL_S if self._reports else 0,
+            exporter=host_exporter("vllm:", logger) if self._reports else None,
+        )
+        if self._reports and METRICS_ENV not in os.environ:
+            logger.info("bcg: %s", METRICS_NOTE)
+        INSTANCES.add(self)
+
+    @classmethod
+    def build(cls, host_factory: Any, vllm_config: Any, *, model: Any, attn_groups: Any,
+              kv_cache_config: Any, reports: bool = True) -> VllmPrefillGraphs | None:
+        """The graphs for a runner, or ``None`` (logged once) if the runner has a feature bcg skips.
+
+        ``reports=False``: graphs built only to estimate memory; they log no stats, export no
+        metrics and leave the unsupported-feature warning to the graphs that capture.
+        """
+        reason = runner_unsupported_reason(model, attn_groups, kv_cache_config)
+        if reason is not None:
+            if reports and _first_tp_rank():
+                logger.warning("bcg: prefill graphs stay off for this engine: %s is not supported", reason)
+            return None
+        return cls(host_factory(), vllm_config, reports=reports)
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        with self.host.capturing():
+            self.runner.capture(progress=self._reports)
+        if not self.runner.captured:
+            return
+        self._buckets = frozenset(self.runner.buckets)
+        # The captured KV-cache write reads the slot-mapping buffer at its capture-time address;
+        # replays check vLLM still fills that buffer in place.
+        context = self.host.capture_contexts[self.runner.buckets[-1]]
+        for layer, slots in (context.slot_mapping or {}).items():
+            self._slot_mapping_probe = (layer, slots.data_ptr())
+            break
+        if not self.stale_metadata:
+            self.host.capture_contexts.clear()
+
+    @torch.inference_mode()
+    def estimate(self) -> int:
+        """The device memory :meth:`capture` will take (see :meth:`PrefillGraphRunner.estimate_graph_bytes`);
+        the caller then closes these graphs, which drops the sampled buckets' capture contexts."""
+        with self.host.capturing():
+            return self.runner.estimate_graph_bytes()
+
+    # -- per step --------------------------------------------------------------------------------
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The padded size vLLM should run ``num_tokens`` at, or ``None`` (eager; reason counted)."""
+        bucket = self.runner.bucket_for(num_tokens)
+        self.reporter.tick()
+        return bucket
+
+    def forward(self, model: Any, model_inputs: dict[str, Any], *, dummy: bool = False) -> Any:
+        """Run one PIECEWISE-dispatched forward: replay its bucket, or eager if it cannot.
+
+        ``dummy``: V1's ``_dummy_run`` (an idle DP rank padded to its peers' bucket). vLLM builds no
+        attention metadata for it, so attention writes zeros and every row is padding.
+        """
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        bucket = context.batch_descriptor.num_tokens
+        batch = self._host_batch(context, model_inputs, bucket, dummy)
+        if batch is None:
+            self.runner.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+            return model(**model_inputs)
+        if batch.payload is not context:  # the stale-metadata control: attention reads the captured context
+            from vllm.forward_context import override_forward_context
+
+            with override_forward_context(batch.payload):
+                return self.runner.replay(bucket, batch)
+        return self.runner.replay(bucket, batch)
+
+    def _host_batch(self, context: Any, model_inputs: dict[str, Any], bucket: int,
+                    dummy: bool = False) -> HostBatch | None:
+        if bucket not in self._buckets:
+            return None  # a size vLLM padded to on its own (V1 DP re-dispatch): no graph for it
+        if any(v is not None for k, v in model_inputs.items() if k not in _GRAPH_INPUTS):
+            return None  # extra model inputs (intermediate tensors, model kwargs) are not captured
+        requested = None
+        if dummy and context.attn_metadata is None:
+            num_tokens, requested = bucket, 0
+        else:
+            num_tokens = _num_actual_tokens(context.attn_metadata)
+        if num_tokens is None or not 0 < num_tokens <= bucket:
+            return None
+        if self._slot_mapping_probe is not None:
+            layer, ptr = self._slot_mapping_probe
+            live = (context.slot_mapping or {}).get(layer)
+            if live is None or live.data_ptr() != ptr:
+                return None
+        if self.host.embeds_in_graph and model_inputs.get("inputs_embeds") is not None:
+            return None  # the graph embeds token ids itself; embeddings from the host were not captured
+        payload = self.host.capture_contexts[bucket] if self.stale_metadata else context
+        inputs = {k: model_inputs.get(k) for k in _GRAPH_INPUTS if model_inputs.get(k) is not None}
+        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload, requested_tokens=requested)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.host.capture_contexts.clear()
+        self._buckets = frozenset()
+
+
+def _num_actual_tokens(attn_metadata: Any) -> int | None:
+    """Real rows of the step: PIECEWISE metadata is built unpadded by both runners."""
+    if not isinstance(attn_metadata, dict) or not attn_metadata:
+        return None
+    n = getattr(next(iter(attn_metadata.values())), "num_actual_tokens", None)
+    return int(n) if n is not None else None
+
+
+def _first_tp_rank() -> bool:
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return get_tp_group().rank_in_group == 0
+    except Exception:
+        return True

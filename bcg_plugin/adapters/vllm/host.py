@@ -1,0 +1,245 @@
+"""vLLM as a bcg host: the hooks the core calls to capture and replay one model runner's forward.
+
+The payload of every :class:`~bcg_plugin.HostBatch` is a vLLM ``ForwardContext``: at capture the one
+built for the dummy batch, at replay the one vLLM set for the step. Attention (the eager break,
+:mod:`bcg_plugin.adapters.vllm.attention`) runs with that context bound, and so does the KV-cache write
+captured inside each segment, which reads the slot-mapping buffer vLLM refills in place every step.
+
+The two model runners differ only in how a dummy batch of ``N`` tokens is made, so each gets a
+small subclass implementing :meth:`VllmHost.capture_context`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from bcg_plugin import HostBatch, StaticInput, default_capture_stream, hookimpl
+
+
+class VllmHost:
+    """Hooks shared by both runners.
+
+    Attributes:
+        model: the raw ``nn.Module`` (no vLLM graph wrapper).
+        vllm_config: the engine config (DP size for the capture context).
+        embeds_in_graph: whether the embedding lookup is captured in the first segment (text-only
+            models: the graph starts from static token ids, and no eager lookup or embeds copy runs
+            per step) or stays outside (models that take ``inputs_embeds``: multimodal merged
+            embeddings, prompt embeddings), where :class:`EagerEmbedding` runs it before landing.
+        hidden_size, dtype, device: shape of the static ``inputs_embeds`` rows.
+        stream: the capture stream of the enclosing ``graph_capture`` (set for the capture only).
+        persistent_inputs: the runner's own ``input_ids`` and ``positions`` buffers, which vLLM
+            fills in place every step; the graphs read them directly, so no input is copied per step.
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device):
+        self.model = model
+        self.vllm_config = vllm_config
+        self.device = device
+        self.embeds_in_graph = takes_token_ids_only(model, vllm_config)
+        self.hidden_size = vllm_config.model_config.get_hidden_size()
+        self.dtype = vllm_config.model_config.dtype
+        self.stream: torch.cuda.Stream | None = None
+        self.capture_contexts: dict[int, Any] = {}
+        self.persistent_inputs: dict[str, torch.Tensor] = {}
+
+    @property
+    def graph_input(self) -> str:
+        """The model input the graph starts from: ``input_ids`` or ``inputs_embeds``."""
+        return "input_ids" if self.embeds_in_graph else "inputs_embeds"
+
+    def plugins(self) -> list[object]:
+        """Every bcg plugin object of this host (the embedding one only when it runs eagerly)."""
+        return [self] if self.embeds_in_graph else [self, EagerEmbedding(self.model)]
+
+    # -- capture ---------------------------------------------------------------------------------
+
+    def capture_context(self, num_tokens: int) -> Any:
+        """A vLLM ForwardContext for a dummy prefill of ``num_tokens`` (KV writes skipped: slots -1)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """vLLM's graph-capture context, with TP custom all-reduce buffers registered at exit, on the
+        stream the V2 runner captures its decode graphs on (``torch.cuda.graph``'s default): a stream
+        of its own would pin one more cuBLAS workspace (32 MiB on Hopper) for the process's life."""
+        from vllm.distributed.parallel_state import GraphCaptureContext, graph_capture
+
+        stream = default_capture_stream(self.device)
+        with graph_capture(device=self.device,
+                           graph_capture_context=GraphCaptureContext(stream) if stream is not None else None) as ctx:
+            self.stream = ctx.stream
+            try:
+                yield
+            finally:
+                self.stream = None
+
+    @hookimpl
+    def bcg_static_inputs(self) -> dict[str, StaticInput]:
+        # Padded rows: token 0 (a real row of the embedding table), position 0.
+        first = (StaticInput((), torch.int32, 0, self._persistent("input_ids", torch.int32)) if self.embeds_in_graph
+                 else StaticInput((self.hidden_size,), self.dtype, 0.0))
+        return {self.graph_input: first,
+                "positions": StaticInput((), torch.int64, 0, self._persistent("positions", torch.int64))}
+
+    def _persistent(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """The runner's buffer for ``name`` if it is one the graphs can read in place, else ``None``
+        (the core then allocates its own and copies the step's rows in)."""
+        buf = self.persistent_inputs.get(name)
+        return buf if buf is not None and not StaticInput((), dtype).buffer_problems(buf, self.device) else None
+
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
+        context = self.capture_context(num_tokens)
+        self.capture_contexts[num_tokens] = context
+        ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
+        first = ids if self.embeds_in_graph else self.model.embed_input_ids(ids)
+        return HostBatch(
+            num_tokens=num_tokens,
+            inputs={self.graph_input: first,
+                    "positions": torch.zeros(num_tokens, dtype=torch.int64, device=self.device)},
+            payload=context,
+        )
+
+    @hookimpl
+    def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: Any) -> torch.Tensor:
+        from vllm.forward_context import override_forward_context
+
+        # Runs only at capture: code in the model that reads the forward context (the captured
+        # KV-cache write, MoE DP metadata) sees the dummy batch's, whose buffers vLLM refills.
+        with override_forward_context(payload):
+            return self.model(input_ids=inputs.get("input_ids"), positions=inputs["positions"],
+                              intermediate_tensors=None, inputs_embeds=inputs.get("inputs_embeds"))
+
+    @hookimpl
+    def bcg_world_group(self) -> Any:
+        from vllm.distributed.parallel_state import get_world_group
+
+        # The world group spans every TP, PP and DP rank (offline data parallelism included): one vote for all.
+        return get_world_group().cpu_group
+
+    @hookimpl
+    def bcg_capture_stream(self) -> torch.cuda.Stream | None:
+        return self.stream
+
+
+class EagerEmbedding:
+    """The embedding lookup run eagerly before landing, for graphs that start from ``inputs_embeds``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @hookimpl
+    def bcg_embed(self, batch: HostBatch) -> dict[str, torch.Tensor] | None:
+        if batch.inputs.get("inputs_embeds") is not None:
+            return None
+        return {"inputs_embeds": self.model.embed_input_ids(batch.inputs["input_ids"][: batch.num_tokens])}
+
+
+def takes_token_ids_only(model: torch.nn.Module, vllm_config: Any) -> bool:
+    """Whether every step feeds this model token ids (no multimodal or prompt embeddings)."""
+    from vllm.model_executor.models.interfaces import supports_multimodal
+
+    return not supports_multimodal(model) and not getattr(vllm_config.model_config, "enable_prompt_embeds", False)
+
+
+class V2Host(VllmHost):
+    """Dummy batches of the V2 runner (``vllm/v1/worker/gpu/model_runner.py``): its own capture helper."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any, device: torch.device, *, model_state: Any,
+                 input_buffers: Any, block_tables: Any, attn_groups: Any, kv_cache_config: Any):
+        super().__init__(model, vllm_config, device)
+        self.model_state = model_state
+        self.input_buffers = input_buffers
+        self.block_tables = block_tables
+        self.attn_groups = attn_groups
+        self.kv_cache_config = kv_cache_config
+        self.persistent_inputs = {"input_ids": input_buffers.input_ids, "positions": input_buffers.positions}
+
+    def capture_context(self, num_tokens: int) -> Any:
+        from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
+
+        # bs=1 prefill of num_tokens; the whole slot-mapping buffer is -1, so no KV is written.
+        attn_metadata, slot_mappings = prepare_inputs_to_capture(
+            1, num_tokens, self.model_state, self.input_buffers, self.block_tables, self.attn_groups,
+            self.kv_cache_config,
+        )
+        self.input_buffers.is_padding.fill_(True)
+        return _forward_context(self.vllm_config, attn_metadata, slot_mappings, num_tokens,
+                                self.input_buffers.is_padding[:num_tokens])
+
+
+class V1Host(VllmHost):
+    """Dummy batches of the V1 runner (``vllm/v1/worker/gpu_model_runner.py``), built by its ``_dummy_run``.
+
+    ``_dummy_run(N, NONE, force_attention=True)`` prepares metadata, slot mappings (all -1) and the
+    forward context exactly as V1 does for its own warm-ups; a probe standing in for the model
+    during that one call keeps the context it was given.
+
+    ``_dummy_run`` spreads the N tokens over up to ``max_num_seqs`` requests but gives each the whole
+    N as its sequence length, which attention reads through the block table: with N above
+    ``max_model_len`` (a chunk larger than the context, e.g. vLLM's 16384 for ``LLM`` on an H200 with
+    ``max_model_len=8192``) the last rows' reads run past the table, an illegal memory access that
+    ends the process. The length is capped at ``max_model_len``, which each request's share of the
+    batch fits in: bcg's buckets stop at ``max_num_seqs`` x ``max_model_len``
+    (:func:`~bcg_plugin.adapters.vllm.graphs.step_token_limit`); up to ``max_model_len`` nothing changes.
+    """
+
+    def __init__(self, runner: Any):
+        super().__init__(runner.get_model(), runner.vllm_config, runner.device)
+        self.runner = runner
+        for name in ("input_ids", "positions"):
+            buf = getattr(runner, name, None)
+            buf = getattr(buf, "gpu", buf)  # input_ids is a CPU/GPU buffer pair, positions a tensor (0.26)
+            if isinstance(buf, torch.Tensor):
+                self.persistent_inputs[name] = buf
+
+    def capture_context(self, num_tokens: int) -> Any:
+        from vllm.config.compilation import CUDAGraphMode
+
+        probe = _ContextProbe(num_tokens, self.hidden_size, self.dtype, self.device)
+        seq_len = min(num_tokens, self.vllm_config.model_config.max_model_len)
+        saved = self.runner.model
+        self.runner.model = probe
+        try:
+            self.runner._dummy_run(num_tokens, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                                   skip_eplb=True, remove_lora=False, profile_seq_lens=seq_len)
+        finally:
+            self.runner.model = saved
+        if probe.context is None:
+            raise RuntimeError("V1 _dummy_run did not call the model; cannot build a bcg capture batch")
+        return probe.context
+
+
+class _ContextProbe:
+    """Replaces ``runner.model`` for one ``_dummy_run``: keeps the forward context, returns zeros."""
+
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        self.rows, self.hidden, self.dtype, self.device = rows, hidden, dtype, device
+        self.context: Any = None
+
+    def __call__(self, **_: Any) -> torch.Tensor:
+        from vllm.forward_context import get_forward_context
+
+        self.context = get_forward_context()
+        return torch.zeros(self.rows, self.hidden, dtype=self.dtype, device=self.device)
+
+
+def _forward_context(vllm_config: Any, attn_metadata: Any, slot_mappings: Any, num_tokens: int,
+                     is_padding: torch.Tensor) -> Any:
+    """The ForwardContext vLLM's own capture would set for ``num_tokens`` (entered and left here: its
+    exit may synchronise, which must not happen inside a capture)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
+
+    dp = vllm_config.parallel_config.data_parallel_size
+    across_dp = torch.full((dp,), num_tokens, dtype=torch.int32, device="cpu") if dp > 1 else None
+    with set_forward_context(attn_metadata, vllm_config, num_tokens=num_tokens,
+                             cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE, num_tokens_across_dp=across_dp,
+                             batch_descriptor=BatchDescriptor(num_tokens=num_tokens), slot_mapping=slot_mappings,
+                             is_padding=is_padding):
+        return get_forward_context()

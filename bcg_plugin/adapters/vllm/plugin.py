@@ -1,0 +1,205 @@
+"""The plugin's process-wide state: which patch sets are in, and the calls the patches make.
+
+``register()`` (the ``vllm.general_plugins`` entry point) runs in the API server, the engine core
+and every worker, possibly more than once, before any config exists. It only checks the vLLM
+version and installs the two cheap entry patches; everything else waits until a config that
+enables bcg reaches a worker (:func:`arm_runner_patches`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
+from bcg_plugin.adapters.vllm.log import logger, route_core_logs
+from bcg_plugin import BcgCaptureError
+from bcg_plugin.doctor import installed_version
+
+
+class _State:
+    """What this process has done: registered, refused (and why), runner patches in or refused."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.registered = False
+        self.disabled_reason: str | None = None
+        self.runner_patches: bool | None = None  # None: not tried yet
+
+
+STATE = _State()
+
+
+def vllm_version() -> str | None:
+    return installed_version("vllm")
+
+
+def register() -> None:
+    """Entry point: zero-arg, re-entrant, cheap; installs pass-through patches only on a known vLLM.
+
+    On a vLLM version these patches were not verified against, or when a target is missing or
+    changed, it logs one warning, patches nothing and the engine runs as if bcg were not installed.
+    """
+    with STATE.lock:
+        if STATE.registered or STATE.disabled_reason is not None:
+            return
+        reason = _refusal()
+        if reason is not None:
+            STATE.disabled_reason = reason
+            logger.warning("bcg: prefill graphs are off: %s; vLLM runs unchanged", reason)
+            return
+        STATE.registered = True
+
+
+def version_problem(found: str | None) -> str | None:
+    """Why this vLLM version is not patched, or ``None`` if it is supported."""
+    from packaging.version import InvalidVersion, Version
+
+    from bcg_plugin.patches.vllm import SUPPORTED_VLLM
+
+    if found is None:
+        return "vllm is not installed"
+    try:
+        known = Version(found) in SUPPORTED_VLLM
+    except InvalidVersion:
+        known = False
+    if not known:
+        return f"vLLM {found} is not a version bcg-plugin supports ({SUPPORTED_VLLM})"
+    return None
+
+
+def _refusal() -> str | None:
+    from bcg_plugin.patches.vllm import ENTRY, PatchTargetError
+
+    found = vllm_version()
+    problem = version_problem(found)
+    if problem is not None:
+        return problem
+    try:
+        ENTRY.apply()
+    except PatchTargetError as e:
+        return f"vLLM {found} does not have the expected patch targets ({e})"
+    return None
+
+
+def runs_bcg(vllm_config: Any) -> bool:
+    """Whether this process captures and replays bcg graphs for ``vllm_config``."""
+    return bool(STATE.runner_patches) and prefill_graphs_wanted(vllm_config)
+
+
+def arm_runner_patches(vllm_config: Any) -> bool:
+    """Install the model-runner patch set once, if ``vllm_config`` enables bcg; False if it cannot."""
+    if not prefill_graphs_wanted(vllm_config):
+        return False
+    return apply_runner_patches()
+
+
+def apply_runner_patches() -> bool:
+    """Install the model-runner patch set once in this process (one warning if it cannot)."""
+    with STATE.lock:
+        if STATE.runner_patches is None:
+            from bcg_plugin.patches.vllm import RUNNER, PatchTargetError
+
+            route_core_logs()  # this worker runs the core: its capture summary belongs in vLLM's log
+
+            try:
+                RUNNER.apply()
+                STATE.runner_patches = True
+            except PatchTargetError as e:
+                STATE.runner_patches = False
+                logger.warning("bcg: prefill graphs are off: the vLLM model runner changed (%s)", e)
+        return STATE.runner_patches
+
+
+def unregister() -> None:
+    """Remove every patch this process installed (tests; engines never need it)."""
+    from bcg_plugin.patches.vllm import ENTRY, RUNNER
+
+    with STATE.lock:
+        RUNNER.unapply()
+        ENTRY.unapply()
+        STATE.registered = False
+        STATE.disabled_reason = None
+        STATE.runner_patches = None
+
+
+# -- called by the capture patches ---------------------------------------------------------------
+
+
+def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, block_tables: Any,
+               attn_groups: Any, kv_cache_config: Any) -> Any:
+    """Build and capture the V2 runner's prefill graphs; ``None`` when bcg does not run here."""
+    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.host import V2Host
+
+    if not runs_bcg(manager.vllm_config):
+        return None
+    graphs = VllmPrefillGraphs.build(
+        lambda: V2Host(model, manager.vllm_config, manager.device, model_state=model_state,
+                       input_buffers=input_buffers, block_tables=block_tables, attn_groups=attn_groups,
+                       kv_cache_config=kv_cache_config),
+        manager.vllm_config, model=model, attn_groups=attn_groups, kv_cache_config=kv_cache_config,
+    )
+    if graphs is not None:
+        graphs.capture()
+    return graphs
+
+
+def estimate_v1(runner: Any) -> int:
+    """bcg's graph memory for the V1 runner's KV-cache sizing, measured like vLLM's own estimate:
+    on a minimal KV cache, released afterwards. 0 when bcg does not run here.
+
+    The estimate is advice for vLLM's memory budget: if taking it fails, vLLM sizes the KV cache
+    without it (one warning) and the capture, which decides whether bcg runs, still follows; unless
+    the failure left the GPU unusable (the core's :class:`~bcg_plugin.BcgCaptureError`), when nothing
+    can follow and the engine stops with that error.
+    """
+    from vllm.config import set_current_vllm_config
+
+    if not runs_bcg(runner.vllm_config):
+        return 0
+    usable = True
+    try:
+        with set_current_vllm_config(runner.vllm_config):
+            runner._init_minimal_kv_cache_for_profiling()
+        try:
+            graphs = _v1_graphs(runner, reports=False)
+            if graphs is None:
+                return 0
+            try:
+                return graphs.estimate()
+            except BcgCaptureError:
+                usable = False  # nothing runs on the GPU any more, releases and clean-up included
+                raise
+            finally:
+                if usable:
+                    graphs.close()
+        finally:
+            if usable:
+                runner._cleanup_profiling_kv_cache()
+    except BcgCaptureError:
+        raise
+    except Exception as e:
+        logger.warning("bcg: could not estimate the prefill graphs' memory (%r); vLLM sizes the KV cache "
+                       "without them, so they come out of the headroom --gpu-memory-utilization leaves", e)
+        return 0
+
+
+def capture_v1(runner: Any) -> Any:
+    """Build and capture the V1 runner's prefill graphs; ``None`` when bcg does not run here."""
+    if not runs_bcg(runner.vllm_config):
+        return None
+    graphs = _v1_graphs(runner)
+    if graphs is not None:
+        graphs.capture()
+    return graphs
+
+
+def _v1_graphs(runner: Any, reports: bool = True) -> Any:
+    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.host import V1Host
+
+    return VllmPrefillGraphs.build(
+        lambda: V1Host(runner), runner.vllm_config, model=runner.get_model(), attn_groups=runner.attn_groups,
+        kv_cache_config=runner.kv_cache_config, reports=reports,
+    )

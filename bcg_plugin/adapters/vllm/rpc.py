@@ -1,0 +1,41 @@
+"""bcg's counters over vLLM's collective RPC, from every worker process.
+
+With tensor or pipeline parallelism the model runners (and bcg's graphs) live in vLLM's worker
+processes, not in the process that holds the ``LLM``. vLLM's own extension point for asking
+workers things is ``worker_extension_cls``; with it set to this class,
+``llm.collective_rpc("bcg_stats")`` returns one list per worker::
+
+    llm = LLM(model, tensor_parallel_size=2, additional_config={"bcg": {"enable": True}},
+              worker_extension_cls="bcg_plugin.adapters.vllm.rpc.BcgWorkerExtension")
+    llm.collective_rpc("bcg_stats")  # [[{...rank 0...}], [{...rank 1...}]]
+"""
+
+from __future__ import annotations
+
+WORKER_EXTENSION = "bcg_plugin.adapters.vllm.rpc.BcgWorkerExtension"
+
+
+class BcgWorkerExtension:
+    """Mixed into vLLM's worker class by ``worker_extension_cls``: one RPC method, no state."""
+
+    def bcg_stats(self) -> list[dict]:
+        """This worker's bcg runners' counters (plain values, so vLLM can serialise them)."""
+        from bcg_plugin.adapters.vllm.graphs import INSTANCES
+
+        return [stats_dict(graphs.runner.stats) for graphs in list(INSTANCES)]
+
+
+def stats_dict(stats) -> dict:
+    """A :class:`~bcg_plugin.stats.RuntimeStats` as plain values."""
+    return {
+        "replays": sum(stats.replays_by_bucket.values()),
+        "replays_by_bucket": {str(b): n for b, n in stats.replays_by_bucket.items()},
+        "fallbacks": dict(stats.fallbacks),
+        "real_tokens": stats.real_tokens,
+        "padded_tokens": stats.padded_tokens,
+        "buckets": stats.buckets_captured,
+        "capture_seconds": stats.capture_seconds,
+        "warmup_seconds": stats.warmup_seconds,
+        "graph_bytes": stats.graph_bytes,
+        "summary": stats.summary(),
+    }

@@ -1,0 +1,36 @@
+"""``radix_attention.breakable_unified_attention_with_output``: attention as bcg's eager break.
+
+RadixAttention picks this module global (at call time) when a breakable capture is on. SGLang's
+wrapper only splits the graph under SGLang's own capture primitive; under bcg's capture it would
+run inline and bake attention into the graph. The hook routes the call to bcg's break while bcg
+captures and passes through otherwise.
+"""
+
+from __future__ import annotations
+
+from bcg_plugin.patches.sglang._op_signature import check_op
+from bcg_plugin.patches.sglang.base import Patch
+
+TARGET = "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output"
+PARAMS = ("query", "key", "value", "output", "save_kv_cache", "layer_id", "use_mha_companion",
+          "key_value_num_tokens")
+
+
+def around_breakable_attention(original_fn, *args, **kwargs):
+    from bcg_plugin.adapters.sglang import attention
+
+    if attention.capturing():
+        return attention.captured_then_break(*args, **kwargs)
+    return original_fn(*args, **kwargs)
+
+
+PATCH = Patch(
+    target=TARGET,
+    kind="AROUND",
+    hook=around_breakable_attention,
+    check=check_op(TARGET, "unified_attention_with_output", PARAMS),
+    reason="make attention bcg's eager break (owned inputs, padded rows scrubbed, live batch) "
+    "while bcg captures",
+    versions=">=0.5.17,<0.5.18",
+    remove_when="SGLang's breakable ops dispatch through a pluggable break primitive",
+)

@@ -1,0 +1,43 @@
+"""V1 ``GPUModelRunner.capture_model``: capture bcg's buckets, then vLLM's own graphs.
+
+bcg goes first: the original returns early when ``cudagraph_mode`` is NONE and locks workspace
+growth when it finishes. Dummy batches come from the runner's ``_dummy_run`` (see
+:class:`bcg_plugin.adapters.vllm.host.V1Host`), itself patched and verified by ``v1_gpu_model_runner_dummy_run``.
+
+The original returns the device memory its own capture took, and vLLM's worker logs that figure as
+the graphs' memory and sizes its ``--kv-cache-memory`` advice with it. bcg's buckets are captured
+outside the original's measurement, so the device memory bcg's capture took (the core measures it the
+same way, free memory around the capture) is added to it. (The V2 runner measures around its graph
+manager's capture, which bcg's capture runs inside.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+from bcg_plugin.patches.vllm._patch import Patch
+
+
+def make(original):
+    @functools.wraps(original)
+    def capture_model(self, *args, **kwargs):
+        from bcg_plugin.adapters.vllm.plugin import capture_v1
+
+        graphs = capture_v1(self)
+        self._bcg_graphs = graphs
+        self.cudagraph_dispatcher._bcg_graphs = graphs
+        bcg_bytes = graphs.runner.stats.graph_bytes if graphs is not None else 0
+        return original(self, *args, **kwargs) + bcg_bytes
+
+    return capture_model
+
+
+PATCH = Patch(
+    module="vllm.v1.worker.gpu_model_runner",
+    qualname="GPUModelRunner.capture_model",
+    params=["self"],
+    make=make,
+    reason="capture bcg's prefill buckets (dummy batches from _dummy_run) before vLLM's own graphs, "
+           "and add their device memory to the graph memory vLLM reports",
+    remove_when="vLLM exposes a capture hook for external graph runners",
+)
