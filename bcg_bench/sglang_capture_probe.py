@@ -13,7 +13,7 @@ TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.cap
 
 
 def after_capture_prefill_graph(result, *args, **kwargs):
-    from bcg_plugin.adapters.sglang.settings import append_bench_record, bench_record_path
+    from bcg_plugin.adapters.sglang.config import append_bench_record, bench_record_path
 
     path = bench_record_path()
     if not path:

@@ -5,7 +5,7 @@ engine); each extend forward, and an idle DP-attention rank's forward while anot
 appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank", "graph", "across_dp"}`` to it (``host_ms``: host time spent issuing the forward; ``across_dp``: SGLang's
 replicated per-DP-rank token counts, ``None`` without DP attention). The synchronisation it adds
 makes it unfit for serving. With ``bcg bench --profile N``, the first N-token forward once the
-bench arms the profiler (:func:`~bcg_plugin.adapters.sglang.settings.profile_arm_path`) runs under
+bench arms the profiler (:func:`~bcg_plugin.adapters.sglang.config.profile_arm_path`) runs under
 ``torch.profiler`` and appends ``{"kind": "host_profile", "rank", ...}``
 (:mod:`bcg_bench.profile`).
 """
@@ -26,7 +26,7 @@ def _profiler(path: str):
     """This scheduler's profiler for the bench record ``path`` (``None`` without ``--profile``)."""
     import os
 
-    from bcg_plugin.adapters.sglang.settings import profile_arm_path
+    from bcg_plugin.adapters.sglang.config import profile_arm_path
     from bcg_bench.profile import ForwardProfiler
 
     arm = profile_arm_path(path)
@@ -36,7 +36,7 @@ def _profiler(path: str):
 def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     import torch
 
-    from bcg_plugin.adapters.sglang.settings import append_bench_record, bench_record_path
+    from bcg_plugin.adapters.sglang.config import append_bench_record, bench_record_path
 
     path = bench_record_path()
     mode = forward_batch.forward_mode

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bcg_plugin.adapters.sglang import settings
+from bcg_plugin.adapters.sglang import config as settings
 from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV

@@ -162,7 +162,7 @@ def bench_bcg_config(environ: dict | None = None) -> dict:
 
 
 def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int = 1) -> dict:
-    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_plugin.adapters.vllm.metrics import WORKER_EXTENSION
     from bcg_bench.models import model_dir
     from bcg_plugin.ladder import reference_ladder
 

@@ -21,8 +21,9 @@ from packaging.specifiers import SpecifierSet
 pytest.importorskip("sglang")
 
 from bcg_plugin.adapters import sglang as adapter  # noqa: E402
-from bcg_plugin.adapters.sglang import eligibility, settings  # noqa: E402
-from bcg_plugin.adapters.sglang.runner import BcgPrefillRunner  # noqa: E402
+from bcg_plugin.adapters.sglang import eligibility  # noqa: E402
+from bcg_plugin.adapters.sglang import config as settings  # noqa: E402
+from bcg_plugin.adapters.sglang.replay import BcgPrefillRunner  # noqa: E402
 from bcg_plugin.stats import StatsReporter  # noqa: E402
 from bcg_plugin.patches.sglang import Patch, install, verify  # noqa: E402
 from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, RuntimeStats, plugin_manager  # noqa: E402
@@ -511,7 +512,7 @@ def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool
     0, 1, ...: past the pool's rows for a bucket no step can reach."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from bcg_plugin.adapters.sglang.runner import _chunk_size
+    from bcg_plugin.adapters.sglang.replay import _chunk_size
 
     pool = ReqToTokenPool(size=pool_rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
     prefill = types.SimpleNamespace(max_bs=max_bs, bs=[16, 32, 64])

@@ -451,7 +451,7 @@ class _ProfilingRunner:
 
 @pytest.mark.parametrize("outcome", ["estimated", "unsupported", "raises", "unusable"])
 def test_v1_estimate_runs_on_a_minimal_kv_cache_and_releases_it_while_the_gpu_runs(monkeypatch, caplog, outcome):
-    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
     from bcg_plugin import BcgCaptureError
 
     runner = _ProfilingRunner()
@@ -506,7 +506,7 @@ class _CallableModel:
 
 def _graphs_with_bucket_64(stale: bool = False, capture_contexts: dict | None = None):
     """VllmPrefillGraphs past its capture (one bucket, 64), without a model runner behind it."""
-    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
 
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._buckets = frozenset({64})
@@ -739,7 +739,7 @@ def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, m
                                                                 max_num_seqs, max_model_len, chunk, top):
     from vllm.config import SchedulerConfig
 
-    from bcg_plugin.adapters.vllm import graphs
+    from bcg_plugin.adapters.vllm import replay as graphs
 
     monkeypatch.setattr(model_config, "max_model_len", max_model_len)  # the model config is shared
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
@@ -773,7 +773,7 @@ def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, m
 def test_worker_extension_resolves_and_reports_this_workers_runners(monkeypatch):
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from bcg_plugin.adapters.vllm import graphs, rpc
+    from bcg_plugin.adapters.vllm import replay as graphs, metrics as rpc
     from bcg_plugin.stats import Fallback, RuntimeStats
 
     ext = resolve_obj_by_qualname(rpc.WORKER_EXTENSION)
@@ -806,7 +806,7 @@ def test_bench_engine_kwargs_are_vllm_engine_args(mode):
     from vllm.engine.arg_utils import EngineArgs
 
     from bcg_bench.vllm_mode import engine_kwargs
-    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_plugin.adapters.vllm.metrics import WORKER_EXTENSION
 
     args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
     assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION

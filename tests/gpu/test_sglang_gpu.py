@@ -243,7 +243,7 @@ def generate(engine, reqs: list[dict], **routing) -> list[dict]:
 
 
 def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
-    from bcg_plugin.adapters.sglang.settings import BENCH_RECORD_ENV
+    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
 
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
     engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env})

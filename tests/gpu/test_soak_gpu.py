@@ -55,7 +55,7 @@ Checks:
    memory.used of their GPUs). After the first third of the run (pools and caches reach their working
    size), max - min per GPU must stay under 256 MiB.
 4. bcg ran, in lockstep. vLLM: ``collective_rpc("bcg_stats")`` from every worker
-   (``bcg_plugin.adapters.vllm.rpc``) shows replays, no eager fallback (under DP, only steps whose DP-wide
+   (``bcg_plugin.adapters.vllm.metrics``) shows replays, no eager fallback (under DP, only steps whose DP-wide
    size is no bucket), and every tensor- and data-parallel rank with the same replays per bucket. SGLang: the forward records (``BCG_BENCH_RECORD``) show replays and
    every rank replaying the same sequence of buckets (under DP attention, of the DP-wide maximum
    token count); without DP no forward within the top bucket ran eagerly (with DP, steps in which
@@ -169,7 +169,7 @@ class DpSteps:
 def vllm_engine(role: str, progress: Path) -> dict:
     from vllm import LLM, SamplingParams
 
-    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_plugin.adapters.vllm.metrics import WORKER_EXTENSION
     from bcg_bench.models import model_dir
 
     rank = int(os.environ.get("VLLM_DP_RANK", "0"))
@@ -233,7 +233,7 @@ def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
     import sglang
     from test_sglang_gpu import engine_kwargs, rescale_dummy_weights  # the engine test's layout and weights
 
-    from bcg_plugin.adapters.sglang.settings import BENCH_RECORD_ENV
+    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
 
     record = progress.with_name(f"{role}.forwards.jsonl")
     os.environ[BENCH_RECORD_ENV] = str(record)  # schedulers inherit it: forward records, bench patches

@@ -6,7 +6,7 @@ its own process (this file re-invoked as a script), in-process inside that proce
 
 With ``BCG_TEST_TP=2 BCG_TEST_MODEL=qwen3-8b`` the same checks run with tensor parallelism (the
 attention breaks and the captured all-reduces on two GPUs); bcg's counters then come from every
-worker over vLLM's collective RPC (:mod:`bcg_plugin.adapters.vllm.rpc`), and the ranks must have replayed
+worker over vLLM's collective RPC (:mod:`bcg_plugin.adapters.vllm.metrics`), and the ranks must have replayed
 the same buckets the same number of times.
 
 With ``BCG_TEST_DP=2 BCG_TEST_MODEL=qwen3-30b-a3b`` (MoE; vLLM's offline data parallelism serves
@@ -122,7 +122,7 @@ def run_engine(name: str, out: Path) -> None:
     spec = ENGINES[name]
     from vllm import LLM, SamplingParams
 
-    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_plugin.adapters.vllm.metrics import WORKER_EXTENSION
     from bcg_bench.models import model_dir
 
     moe = "a3b" in MODEL

@@ -7,7 +7,7 @@ comparison and tolerance this file uses.
 
 Engines: ``MAX_NUM_SEQS`` = 2 requests of at most ``MAX_MODEL_LEN`` = 1024 tokens, a chunk of
 ``CHUNK`` = 8192. No step can hold more than 2048 tokens, so bcg's ladder stops there
-(:func:`bcg_plugin.adapters.vllm.graphs.step_token_limit`) instead of at the chunk. The workload's first
+(:func:`bcg_plugin.adapters.vllm.replay.step_token_limit`) instead of at the chunk. The workload's first
 two prompts fill that top bucket together; the rest (prompt lengths 1..1020) queue behind two
 running requests, so steps mix one request's prefill with the other's decode. Checked against
 the same engine run eagerly, on both model runners; the stale-metadata control of
@@ -54,7 +54,7 @@ def workload(seed: int = 0) -> list[list[int]]:
 def run_engine(name: str, out: Path) -> None:
     from vllm import LLM, SamplingParams
 
-    from bcg_plugin.adapters.vllm.rpc import WORKER_EXTENSION
+    from bcg_plugin.adapters.vllm.metrics import WORKER_EXTENSION
     from bcg_bench.models import model_dir
 
     kwargs = dict(

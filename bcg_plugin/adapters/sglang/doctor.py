@@ -6,7 +6,8 @@ from bcg_plugin.doctor import AdapterReport
 
 
 def diagnose() -> AdapterReport:
-    from bcg_plugin.adapters.sglang import _patch_set, settings, sglang_version, version_problem
+    from bcg_plugin.adapters.sglang import _patch_set, sglang_version, version_problem
+    from bcg_plugin.adapters.sglang import config as settings
     from bcg_plugin.patches.sglang import verify
 
     report = AdapterReport("sglang", sglang_version(), str(settings.SUPPORTED_SGLANG),

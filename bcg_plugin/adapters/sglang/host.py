@@ -21,7 +21,7 @@ class SglangHost:
     at a capture-time address (padded rows: token 0, position 0, cache slot 0 which SGLang
     reserves for padding writes). The embedding lookup is captured in the first segment: batches
     that bring their own embeddings (multimodal, ``input_embeds``) never replay
-    (:meth:`~bcg_plugin.adapters.sglang.runner.BcgPrefillRunner.can_replay_locally`), so no step needs an
+    (:meth:`~bcg_plugin.adapters.sglang.replay.BcgPrefillRunner.can_replay_locally`), so no step needs an
     eager lookup or an embeddings copy.
     """
 

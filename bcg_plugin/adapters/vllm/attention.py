@@ -10,7 +10,7 @@ The break reads whichever forward context is current when it runs: at capture th
 which :meth:`~bcg_plugin.adapters.vllm.host.VllmHost.bcg_body_forward` binds, and at replay the one vLLM
 set for the step. A replay is a straight call of vLLM's function, as in vLLM's own breakable
 graphs; the stale-metadata negative control of the GPU tests binds the capture-time context
-around the replay instead (:meth:`~bcg_plugin.adapters.vllm.graphs.VllmPrefillGraphs.forward`).
+around the replay instead (:meth:`~bcg_plugin.adapters.vllm.replay.VllmPrefillGraphs.forward`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import json
 import os
 
 from bcg_plugin.adapters.vllm.config import VLLM_DEFAULTS
-from bcg_plugin.adapters.vllm.graphs import METRICS_ENV, METRICS_NOTE
+from bcg_plugin.adapters.vllm.replay import METRICS_ENV, METRICS_NOTE
 from bcg_plugin.doctor import AdapterReport
 
 

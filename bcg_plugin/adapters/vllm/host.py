@@ -186,7 +186,7 @@ class V1Host(VllmHost):
     ``max_model_len=8192``) the last rows' reads run past the table, an illegal memory access that
     ends the process. The length is capped at ``max_model_len``, which each request's share of the
     batch fits in: bcg's buckets stop at ``max_num_seqs`` x ``max_model_len``
-    (:func:`~bcg_plugin.adapters.vllm.graphs.step_token_limit`); up to ``max_model_len`` nothing changes.
+    (:func:`~bcg_plugin.adapters.vllm.replay.step_token_limit`); up to ``max_model_len`` nothing changes.
     """
 
     def __init__(self, runner: Any):

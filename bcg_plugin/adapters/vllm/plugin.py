@@ -129,7 +129,7 @@ def unregister() -> None:
 def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, block_tables: Any,
                attn_groups: Any, kv_cache_config: Any) -> Any:
     """Build and capture the V2 runner's prefill graphs; ``None`` when bcg does not run here."""
-    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
     from bcg_plugin.adapters.vllm.host import V2Host
 
     if not runs_bcg(manager.vllm_config):
@@ -196,7 +196,7 @@ def capture_v1(runner: Any) -> Any:
 
 
 def _v1_graphs(runner: Any, reports: bool = True) -> Any:
-    from bcg_plugin.adapters.vllm.graphs import VllmPrefillGraphs
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
     from bcg_plugin.adapters.vllm.host import V1Host
 
     return VllmPrefillGraphs.build(

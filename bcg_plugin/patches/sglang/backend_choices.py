@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bcg_plugin.adapters.sglang.settings import FLAG_VALUE
+from bcg_plugin.adapters.sglang.config import FLAG_VALUE
 from bcg_plugin.patches.sglang.base import Patch
 
 TARGET = "sglang.srt.model_executor.cuda_graph_config.Backend.ALL"

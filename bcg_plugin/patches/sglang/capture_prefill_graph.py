@@ -14,7 +14,7 @@ TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.cap
 
 
 def around_capture_prefill_graph(original_fn, *args, **kwargs):
-    from bcg_plugin.adapters.sglang import runner
+    from bcg_plugin.adapters.sglang import replay as runner
 
     return runner.capture_prefill_graph(original_fn, *args, **kwargs)
 

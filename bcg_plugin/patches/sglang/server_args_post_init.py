@@ -13,7 +13,7 @@ TARGET = "sglang.srt.server_args.ServerArgs.__post_init__"
 
 def around_post_init(original_fn, self, *args, **kwargs):
     from bcg_plugin.adapters import sglang as adapter
-    from bcg_plugin.adapters.sglang import enable
+    from bcg_plugin.adapters.sglang import launch as enable
 
     if adapter.is_active():
         enable.translate_server_args(self)

@@ -12,7 +12,8 @@ import logging
 import sys
 from typing import Any
 
-from bcg_plugin.adapters.sglang import eligibility, settings
+from bcg_plugin.adapters.sglang import eligibility
+from bcg_plugin.adapters.sglang import config as settings
 from bcg_plugin.adapters.sglang.host import SglangHost
 from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, plugin_manager
 from bcg_plugin.ladder import choose_bucket

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from bcg_plugin.adapters.sglang import settings
+from bcg_plugin.adapters.sglang import config as settings
 from bcg_plugin import BcgConfigError
 
 logger = logging.getLogger("bcg_plugin.sglang")

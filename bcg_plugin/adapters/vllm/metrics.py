@@ -6,13 +6,13 @@ workers things is ``worker_extension_cls``; with it set to this class,
 ``llm.collective_rpc("bcg_stats")`` returns one list per worker::
 
     llm = LLM(model, tensor_parallel_size=2, additional_config={"bcg": {"enable": True}},
-              worker_extension_cls="bcg_plugin.adapters.vllm.rpc.BcgWorkerExtension")
+              worker_extension_cls="bcg_plugin.adapters.vllm.metrics.BcgWorkerExtension")
     llm.collective_rpc("bcg_stats")  # [[{...rank 0...}], [{...rank 1...}]]
 """
 
 from __future__ import annotations
 
-WORKER_EXTENSION = "bcg_plugin.adapters.vllm.rpc.BcgWorkerExtension"
+WORKER_EXTENSION = "bcg_plugin.adapters.vllm.metrics.BcgWorkerExtension"
 
 
 class BcgWorkerExtension:
@@ -20,7 +20,7 @@ class BcgWorkerExtension:
 
     def bcg_stats(self) -> list[dict]:
         """This worker's bcg runners' counters (plain values, so vLLM can serialise them)."""
-        from bcg_plugin.adapters.vllm.graphs import INSTANCES
+        from bcg_plugin.adapters.vllm.replay import INSTANCES
 
         return [stats_dict(graphs.runner.stats) for graphs in list(INSTANCES)]
 
