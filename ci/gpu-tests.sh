@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU suites, on a machine with a CUDA device and the host engine importable (CI has no GPU, so
+# these run by hand). Each suite's output goes to LOGDIR/<suite>.log, headed by what ran where.
+#   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
+#   suites: core, vllm, vllm-compile, vllm-step-limit, sglang, metrics
+set -uo pipefail
+cd "$(dirname "$0")/.."
+logdir="$1"; shift
+mkdir -p "$logdir"
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo "${BCG_COMMIT:-unknown}")"
+rc=0
+for suite in "$@"; do
+    case "$suite" in
+        core)            args=(tests/gpu/test_runtime_gpu.py -m gpu) ;;
+        vllm)            args=(tests/gpu/test_vllm_gpu.py -m gpu -k "not compile") ;;
+        vllm-compile)    args=(tests/gpu/test_vllm_gpu.py -m gpu -k compile) ;;
+        vllm-step-limit) args=(tests/gpu/test_vllm_step_limit_gpu.py -m gpu) ;;
+        sglang)          args=(tests/gpu/test_sglang_gpu.py -m gpu) ;;
+        metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;
+        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-compile, vllm-step-limit, sglang, metrics)" >&2; exit 2 ;;
+    esac
+    log="$logdir/$suite.log"
+    {
+        echo "# python3 -m pytest ${args[*]} -s"
+        python3 - "$commit" <<'PY'
+import importlib.metadata as md, sys, datetime, torch
+def v(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "absent"
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}, {gpu}, torch {torch.__version__}, "
+      f"vllm {v('vllm')}, sglang {v('sglang')}, bcg-plugin {v('bcg-plugin')} at {sys.argv[1]}")
+PY
+    } > "$log"
+    python3 -m pytest "${args[@]}" -s -p no:cacheprovider >> "$log" 2>&1
+    status=$?
+    echo "== $suite: exit $status ($(grep -E '(passed|failed|error)' "$log" | tail -1))"
+    [ "$status" -eq 0 ] || rc=1
+done
+exit "$rc"
