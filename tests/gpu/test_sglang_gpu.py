@@ -27,6 +27,11 @@ Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attentio
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
 Every rank must replay the same buckets in the same order. ``BCG_TEST_RESULTS_DIR`` keeps each
 engine's outputs there and reuses them, so the three engines can run in separate commands.
+
+With two GPUs or more, two more engines (eager and bcg) run DP attention over two ranks on the dense
+0.6B shape whatever the variables say, each rank sent prompts of other lengths in the same steps:
+the check above, plus proof that bcg replayed steps in which a rank was padded to the DP-wide
+bucket. They skip with fewer GPUs.
 """
 
 from __future__ import annotations
@@ -83,20 +88,20 @@ RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in every scheduler
 
 
-def model_config() -> dict:
+def model_config(model: str = MODEL) -> dict:
     from bcg_bench.models import MODELS
 
-    return dict(MODELS[MODEL])
+    return dict(MODELS[model])
 
 
-def write_scaled_checkpoint(path: Path, device: str = "cuda", seed: int = SEED) -> Path:
+def write_scaled_checkpoint(path: Path, device: str = "cuda", seed: int = SEED, model: str = MODEL) -> Path:
     """A Qwen3-0.6B-shaped checkpoint with well-scaled random weights (names from transformers)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model_config(), indent=2))
+    (path / "config.json").write_text(json.dumps(model_config(model), indent=2))
     config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()}
@@ -176,15 +181,16 @@ def probe_requests(seed: int = SEED + 1) -> list[dict]:
 # -- engines -----------------------------------------------------------------------------------
 
 
-def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK) -> dict:
+def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = TP, dp: int = DP,
+                  model: str = MODEL) -> dict:
     """``sglang.Engine`` arguments for prefill mode ``mode`` in this layout (the soak's too)."""
     return dict(
         model_path=model_path,
-        load_format="auto" if MODEL == "qwen3-0.6b" else "dummy",
-        custom_weight_loader=[] if MODEL == "qwen3-0.6b" else [RESCALE_LOADER],
-        tp_size=TP,
-        dp_size=DP,
-        enable_dp_attention=DP > 1,
+        load_format="auto" if model == "qwen3-0.6b" else "dummy",
+        custom_weight_loader=[] if model == "qwen3-0.6b" else [RESCALE_LOADER],
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
         skip_tokenizer_init=True,
         attention_backend="triton",
         chunked_prefill_size=chunk,
@@ -201,32 +207,33 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK) -> dict:
 _ENGINE_PORTS = itertools.count(31000, 1000)
 
 
-def rescale_dummy_weights(engine) -> None:
+def rescale_dummy_weights(engine, model: str = MODEL) -> None:
     """Spread the logits of a dummy-weight engine over a few nats (``dummy_weights``), on every rank.
 
     SGLang's dummy weights flatten the logits so much that a stale replay stays within float noise
     of eager: the check could not fail. CUDA graphs keep working, as the weights change in place.
     """
-    if MODEL == "qwen3-0.6b":
+    if model == "qwen3-0.6b":
         return
     ok, message = engine.update_weights_from_tensor([], load_format=RESCALE_LOADER, flush_cache=True)
     assert ok, f"rescaling the dummy weights failed: {message}"
 
 
-def start_engine(model_path: str, mode: str, env: dict[str, str]):
+def start_engine(model_path: str, mode: str, env: dict[str, str], **layout):
+    """An engine in this test's layout, or in ``layout`` (``engine_kwargs``' tp, dp, model)."""
     # The schedulers import dummy_weights (RESCALE_LOADER) from this folder.
     env = {"PYTHONPATH": soak.with_tests_on_path(os.environ), **env}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        engine = sglang.Engine(**engine_kwargs(model_path, mode), port=next(_ENGINE_PORTS))
+        engine = sglang.Engine(**engine_kwargs(model_path, mode, **layout), port=next(_ENGINE_PORTS))
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    rescale_dummy_weights(engine)
+    rescale_dummy_weights(engine, layout.get("model", MODEL))
     return engine
 
 
@@ -399,3 +406,101 @@ def test_stale_replay_fails_the_same_check(runs):
     errs = [request_error(g, r, spread) for g, r in pairs]
     print(f"[bcg gpu] stale replay probe errors (x spread): {[round(e, 3) for e in errs]}")
     assert max(errs) > TOL, "a stale replay passed the correctness check: the check cannot see staleness"
+
+
+# -- DP attention on a dense model: a rank with fewer tokens than the DP-wide bucket ------------
+
+# Attention TP 1 on each of two DP ranks (SGLang's tp_size is the GPU count, dp_size divides it), a
+# dense model whatever BCG_TEST_MODEL says. Each DP rank's chunked-prefill share is CHUNK // 2.
+DP_DENSE = {"tp": 2, "dp": 2, "model": "qwen3-0.6b"}
+DP_DENSE_WAVES = 6
+
+
+def dp_unequal_waves(seed: int = SEED + 2) -> list[list[list[dict]]]:
+    """Waves of one batch per DP rank (``wave[r]`` goes to rank ``r``), submitted together.
+
+    One rank gets a prompt of two to three of its chunked-prefill shares, so it extends over several
+    steps; the other gets a few short prompts, which land in one of those steps whichever step they
+    reach the scheduler in. In that step both ranks extend, the short side with fewer tokens than
+    the DP-wide bucket, so its batch is padded (its query, key, value and cache slots trimmed to
+    the real rows at the attention break). The long side alternates between the ranks.
+    """
+    rng = random.Random(seed)
+    share = CHUNK // DP_DENSE["dp"]
+    waves = []
+    for w in range(DP_DENSE_WAVES):
+        long = [{"ids": [rng.randrange(100, 150000) for _ in range(rng.randint(2 * share, 3 * share))],
+                 "start": 0, "out": rng.choice([1, 4])}]
+        short = [{"ids": [rng.randrange(100, 150000) for _ in range(rng.randint(1, share // 4))],
+                  "start": 0, "out": rng.choice([1, 4])} for _ in range(rng.randint(1, 3))]
+        waves.append([long, short] if w % 2 == 0 else [short, long])
+    return waves
+
+
+def generate_on_ranks(engine, per_rank: list[list[dict]]) -> list[list[dict]]:
+    """``per_rank[r]`` routed to DP rank ``r``, every batch in flight at once."""
+    import asyncio
+
+    async def one(reqs: list[dict], rank: int) -> list[dict]:
+        out = await engine.async_generate(
+            input_ids=[r["ids"] for r in reqs],
+            sampling_params=[{"max_new_tokens": r["out"], "temperature": 0.0, "ignore_eos": True} for r in reqs],
+            return_logprob=True,
+            logprob_start_len=[r["start"] for r in reqs],
+            top_logprobs_num=1,
+            routed_dp_rank=rank,
+        )
+        return [o["meta_info"] for o in out]
+
+    async def every_rank() -> list[list[dict]]:
+        return list(await asyncio.gather(*(one(reqs, r) for r, reqs in enumerate(per_rank))))
+
+    return engine.loop.run_until_complete(every_rank())
+
+
+def run_dp_dense_engine(model_path: str, mode: str, waves: list[list[list[dict]]], **env: str) -> dict:
+    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
+
+    record = Path(tempfile.mkdtemp(prefix="bcg-sglang-dp-dense-")) / "forwards.jsonl"
+    engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env}, **DP_DENSE)
+    try:
+        results = [m for wave in waves for batch in generate_on_ranks(engine, wave) for m in batch]
+    finally:
+        engine.shutdown()
+    forwards = [json.loads(x) for x in record.read_text().splitlines()] if record.exists() else []
+    return {"results": results, "forwards": [f for f in forwards if f["kind"] == "forward"]}
+
+
+@pytest.fixture(scope="module")
+def dp_dense_runs(tmp_path_factory):
+    import torch
+
+    gpus = DP_DENSE["tp"]
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"DP attention over {DP_DENSE['dp']} ranks needs {gpus} GPUs, {torch.cuda.device_count()} visible")
+    checkpoint = str(write_scaled_checkpoint(tmp_path_factory.mktemp("bcg-dp-dense"), model=DP_DENSE["model"]))
+    waves = dp_unequal_waves()
+    eager = run_dp_dense_engine(checkpoint, "disabled", waves)
+    bcg = run_dp_dense_engine(checkpoint, "bcg", waves, BCG_STATS_INTERVAL_S="1")
+    return {"eager": eager, "bcg": bcg, "spread": spread_of(eager["results"])}
+
+
+def test_dp_attention_dense_replays_ranks_padded_to_the_dp_wide_bucket(dp_dense_runs):
+    """The comparison below covers the case: bcg replayed steps in which one rank held fewer tokens
+    than the other (each such step used to kill the schedulers at the first attention break)."""
+    replayed = [f for f in dp_dense_runs["bcg"]["forwards"] if f["graph"]]
+    unequal = [f for f in replayed if f.get("across_dp") and min(f["across_dp"]) < max(f["across_dp"])]
+    print(f"[bcg gpu] DP attention, dense: {len(replayed)} forwards replayed, {len(unequal)} with unequal ranks")
+    assert unequal, "no replayed step had ranks with unequal token counts: the workload missed the case"
+    problem = soak.lockstep_problem(soak.replay_sequences(replayed), DP_DENSE["tp"])
+    assert problem is None, problem
+
+
+def test_dp_attention_dense_matches_eager_logprobs(dp_dense_runs):
+    """The same check as ``test_bcg_matches_eager_logprobs`` (its controls there), every position."""
+    spread = dp_dense_runs["spread"]
+    got, ref = dp_dense_runs["bcg"]["results"], dp_dense_runs["eager"]["results"]
+    assert len(got) == len(ref)
+    errs = [request_error(g, r, spread, quantile=1.0) for g, r in zip(got, ref)]
+    print(f"[bcg gpu] DP attention, dense: {len(errs)} requests, worst {max(errs):.4f} x spread")
+    assert max(errs) <= TOL, sorted(errs)[-10:]

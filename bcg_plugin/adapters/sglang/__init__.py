@@ -49,6 +49,7 @@ def version_problem(found: str | None) -> str | None:
 def _patch_set(runtime: bool) -> list:
     from bcg_plugin.patches.sglang import (
         backend_choices,
+        breakable_capture_var,
         capture_prefill_graph,
         radix_attention_breakable,
         radix_attention_breakable_extra,
@@ -60,6 +61,7 @@ def _patch_set(runtime: bool) -> list:
     if runtime:
         patches += [
             capture_prefill_graph.PATCH,
+            breakable_capture_var.PATCH,
             radix_attention_breakable.PATCH,
             radix_attention_breakable_lse.PATCH,
             radix_attention_breakable_extra.PATCH,

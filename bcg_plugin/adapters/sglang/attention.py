@@ -72,8 +72,12 @@ def bcg_attention(
     for name in _PER_TOKEN_KWARGS:
         if kwargs.get(name) is not None:
             kwargs[name] = kwargs[name][:n]
-    # Backends that write in place (triton, fa3) take the output slot from the batch.
+    # Backends that write in place (triton, fa3) take the output slot from the batch. The KV store
+    # writes one cache slot per key row (SGLang's store_cache requires as many indices as rows), so
+    # the slots are narrowed with the keys; the batch keeps its own tensor for the logits tail.
+    out_cache_loc = fb.out_cache_loc
     fb._attn_output = output[:n]
+    fb.out_cache_loc = out_cache_loc[:n]
     try:
         ret = fwd.attn_backend.forward(
             query[:n],
@@ -86,6 +90,7 @@ def bcg_attention(
         )
     finally:
         fb._attn_output = None
+        fb.out_cache_loc = out_cache_loc
     if ret.data_ptr() != output.data_ptr():
         output[:n].view(ret.shape).copy_(ret)
     if n < batch.num_tokens:  # DP padding rows inside the landed rows (the core scrubs the rest)

@@ -8,6 +8,7 @@ logits tail (:class:`~bcg_plugin.adapters.sglang.host.SglangHost`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from bcg_plugin.adapters.sglang import eligibility
 from bcg_plugin.adapters.sglang import config as settings
 from bcg_plugin.adapters.sglang.host import SglangHost
-from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, plugin_manager
+from bcg_plugin import BcgCaptureError, BcgConfig, Fallback, HostBatch, PrefillGraphRunner, plugin_manager
 from bcg_plugin.ladder import choose_bucket
 from bcg_plugin.metrics import host_exporter
 from bcg_plugin.stats import StatsReporter
@@ -200,9 +201,14 @@ def _first_tp_rank(model_runner: Any) -> bool:
 
 
 class _breakable_capture_flag:
-    """SGLang's process-global 'in a breakable capture' flag, on while bcg captures.
+    """SGLang's process-global 'in a breakable capture' flag, on while bcg captures, and SGLang's
+    own graph breaks refused for as long.
 
-    RadixAttention and the capture-mode checks key off it; its context manager is SGLang's own.
+    RadixAttention and the capture-mode checks key off the flag; its context manager is SGLang's own.
+    Under it, model code takes its breakable branches: a break bcg routes to its own runs as bcg's
+    eager break, any other would run inline with the capture batch's metadata, so it fails the
+    capture instead (:mod:`bcg_plugin.patches.sglang.breakable_capture_var`) and every rank
+    prefills eagerly.
     """
 
     def __enter__(self):
@@ -210,11 +216,24 @@ class _breakable_capture_flag:
             enable_breakable_cuda_graph,
         )
 
-        self._cm = enable_breakable_cuda_graph()
-        return self._cm.__enter__()
+        from bcg_plugin.patches.sglang.breakable_capture_var import refusing_breaks
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(enable_breakable_cuda_graph())
+            stack.enter_context(refusing_breaks(_unrouted_break))
+            self._stack = stack.pop_all()
+        return None
 
     def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
+        return self._stack.__exit__(*exc)
+
+
+def _unrouted_break(op: str) -> BcgCaptureError:
+    return BcgCaptureError(
+        f"bcg cannot capture SGLang's graph break {op}: bcg has no break of its own for it, and run inline it "
+        "would be captured with the capture batch's metadata; serve this model with SGLang's own prefill "
+        "graphs (--cuda-graph-backend-prefill breakable)"
+    )
 
 
 def build_runner(model_runner: Any, native_cls: type, config: BcgConfig) -> Any:

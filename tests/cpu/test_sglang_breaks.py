@@ -1,0 +1,306 @@
+"""bcg's breaks inside SGLang, on CPU: the attention break on a DP-padded batch, and SGLang's own
+breaks (``eager_on_graph``) that bcg does not route, which must fail bcg's capture instead of being
+captured inline."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (  # noqa: E402
+    breakable_cuda_graph as sglang_bcg,
+)
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (  # noqa: E402
+    eager_on_graph,
+    is_in_breakable_cuda_graph,
+)
+
+from bcg_plugin import BcgCaptureError, BcgConfig, Fallback, PrefillGraphRunner, live, plugin_manager  # noqa: E402
+from bcg_plugin.adapters.sglang import attention  # noqa: E402
+from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag  # noqa: E402
+from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable, verify  # noqa: E402
+
+HEADS, HEAD_DIM = 2, 4
+WIDTH = HEADS * HEAD_DIM
+
+
+# -- the attention break on a DP-padded batch ----------------------------------------------------
+
+
+class _StoreCacheKV:
+    """A KV pool whose store keeps SGLang's ``store_cache`` contract: one cache slot per key row
+    (the CUDA kernel rejects ``indices`` and ``k`` of different row counts)."""
+
+    def __init__(self, slots: int) -> None:
+        self.k = torch.zeros(slots, WIDTH)
+        self.v = torch.zeros(slots, WIDTH)
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v) -> None:
+        if loc.shape[0] != cache_k.shape[0] or loc.shape[0] != cache_v.shape[0]:
+            raise RuntimeError(f"store_cache: indices has {loc.shape[0]} rows, k {cache_k.shape[0]}, "
+                               f"v {cache_v.shape[0]}")
+        self.k[loc] = cache_k.reshape(-1, WIDTH)
+        self.v[loc] = cache_v.reshape(-1, WIDTH)
+
+
+class _ExtendBackend:
+    """An extend backend as SGLang's triton one behaves: K/V stored at the batch's cache slots,
+    the result written into the batch's output slot. ``fail`` raises after the store."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.seen_cache_loc_rows: list[int] = []
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self.seen_cache_loc_rows.append(forward_batch.out_cache_loc.shape[0])
+        if save_kv_cache:
+            forward_batch.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        if self.fail:
+            raise RuntimeError("backend failed after the store")
+        out = forward_batch._attn_output
+        out.copy_(q.reshape(out.shape) * 2 + 1)
+        return out
+
+
+def _padded_dp_batch(backend, *, bucket=16, landed=12, real=5):
+    """A DP rank's replay: ``landed`` rows (SGLang padded this rank to the DP-wide count), of which
+    ``real`` are its own tokens; the graph's bucket holds ``bucket`` rows."""
+    slots = torch.arange(100, 100 + landed)
+    slots[real:] = 0  # SGLang's padding slot
+    fb = types.SimpleNamespace(out_cache_loc=slots, num_token_non_padded_cpu=real,
+                               token_to_kv_pool=_StoreCacheKV(128), _attn_output=None)
+    fwd = attention.ForwardPass(forward_batch=fb, attn_backend=backend, attention_layers=[object()])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(bucket, WIDTH, generator=gen) for _ in range(3))
+    return live.LiveBatch(num_tokens=landed, bucket=bucket, payload=fwd), fb, q, k, v
+
+
+def test_attention_stores_the_real_rows_of_a_dp_padded_batch_and_restores_its_cache_slots():
+    backend = _ExtendBackend()
+    batch, fb, q, k, v = _padded_dp_batch(backend)
+    slots = fb.out_cache_loc
+    out = torch.full((16, WIDTH), float("nan"))
+    with live.bound(batch):
+        attention.bcg_attention(q, k, v, out, True, 0)
+    assert backend.seen_cache_loc_rows == [5]
+    pool = fb.token_to_kv_pool
+    assert torch.equal(pool.k[100:105], k[:5]) and torch.equal(pool.v[100:105], v[:5])
+    assert not pool.k[105:].any() and not pool.k[:100].any()  # nothing for padded rows, nor at slot 0
+    assert torch.equal(out[:5], q[:5] * 2 + 1)
+    assert not out[5:].any()  # DP-padded and bucket-padded rows zeroed
+    assert fb.out_cache_loc is slots and fb._attn_output is None  # the logits tail sees the batch's own
+
+
+def test_attention_restores_the_cache_slots_when_the_backend_raises():
+    backend = _ExtendBackend(fail=True)
+    batch, fb, q, k, v = _padded_dp_batch(backend)
+    slots = fb.out_cache_loc
+    with live.bound(batch), pytest.raises(RuntimeError, match="backend failed after the store"):
+        attention.bcg_attention(q, k, v, torch.zeros(16, WIDTH), True, 0)
+    assert backend.seen_cache_loc_rows == [5]
+    assert fb.out_cache_loc is slots and fb._attn_output is None
+
+
+# -- SGLang's own breaks under bcg's capture -----------------------------------------------------
+
+
+@pytest.fixture
+def bound_patch(monkeypatch):
+    """The patch applied as the SGLang patch set applies it (it binds SGLang's variable)."""
+    monkeypatch.setattr(breakable_capture_var, "_capture_var", None)
+    in_place = breakable_capture_var.PATCH.apply()
+    assert in_place()
+    return breakable_capture_var
+
+
+def _fake_sglang_break():
+    calls = []
+
+    def fake_mamba_mixer(x):
+        calls.append(x)
+        return x + 1
+
+    return eager_on_graph(True)(fake_mamba_mixer), calls
+
+
+def test_a_break_bcg_does_not_route_fails_its_capture_naming_the_op(bound_patch):
+    op, calls = _fake_sglang_break()
+    with _breakable_capture_flag():
+        assert is_in_breakable_cuda_graph()  # model code still takes its breakable branches
+        with pytest.raises(BcgCaptureError, match=r"graph break test_sglang_breaks\._fake_sglang_break\.<locals>\."
+                                                  r"fake_mamba_mixer \(called from .*test_sglang_breaks\.py:\d+\)"):
+            op(1)
+    assert calls == []  # refused before it ran, so nothing was captured inline
+    assert not is_in_breakable_cuda_graph() and sglang_bcg._current_capture_var.get() is None
+
+
+def test_outside_bcg_capture_sglang_breaks_run_as_sglang_runs_them(bound_patch):
+    op, calls = _fake_sglang_break()
+    assert op(1) == 2 and calls == [1]
+    with _breakable_capture_flag():
+        pass
+    assert op(2) == 3 and calls == [1, 2]  # nothing left behind by bcg's capture
+
+
+@pytest.mark.parametrize("module, attr, op_name", [
+    ("sglang.srt.layers.radix_linear_attention", "bcg_unified_linear_attention_with_output",
+     "torch.ops.sglang.unified_linear_attention_with_output"),
+    ("sglang.srt.layers.radix_attention", "breakable_unified_attention_with_output_and_lse",
+     "torch.ops.sglang.unified_attention_with_output_and_lse"),
+    ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla", "bcg_mla_bmm_then_unified_attention",
+     "torch.ops.sglang.mla_bmm_then_unified_attention"),
+    ("sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph", "break_graph",
+     "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph.break_graph"),
+])
+def test_sglang_own_breaks_are_refused_by_name(bound_patch, module, attr, op_name):
+    op = getattr(importlib.import_module(module), attr)
+    with _breakable_capture_flag(), pytest.raises(BcgCaptureError) as caught:
+        op()  # refused before its arguments are looked at
+    assert f"graph break {op_name} (called from " in str(caught.value)
+
+
+def test_the_break_bcg_routes_is_not_refused(bound_patch, monkeypatch):
+    """RadixAttention's unified op goes to bcg's break, never reaching SGLang's wrapper."""
+    from sglang.srt.layers import radix_attention
+
+    seen = []
+    monkeypatch.setattr(attention, "bcg_attention", lambda *a, **kw: seen.append(a[4:]))
+    fwd = attention.ForwardPass(forward_batch=None, attn_backend=None, attention_layers=[])
+    q = torch.zeros(4, WIDTH)
+    with _breakable_capture_flag(), live.bound(live.LiveBatch(4, 4, fwd)):
+        radix_attention_breakable.around_breakable_attention(
+            radix_attention.breakable_unified_attention_with_output, q, q, q, q, True, 7)
+        with pytest.raises(BcgCaptureError):  # the same wrapper, reached directly, is refused
+            radix_attention.breakable_unified_attention_with_output(q, q, q, q, True, 7)
+    assert seen == [(True, 7)]
+
+
+class _FakePool:
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        pass
+
+
+def _runner_whose_body_reaches(op, capture_failure="eager"):
+    """A runner on CPU whose every bucket's body calls ``op``: capture reduced to the body, the
+    failure handling (agreement, fallback, raise) the core's own."""
+    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(16, 32), capture_failure=capture_failure),
+                                chunk_size=32, device="cpu")
+    runner._prepare_capture = lambda: runner.__setattr__("_pool", _FakePool())
+
+    def capture_bucket(bucket, stream, warm=True):
+        op(torch.zeros(bucket))
+        return types.SimpleNamespace(release=lambda: None)
+
+    runner._capture_bucket = capture_bucket
+    return runner
+
+
+def test_the_capture_fails_loudly_and_prefill_runs_eagerly(bound_patch, caplog):
+    op, calls = _fake_sglang_break()
+    runner = _runner_whose_body_reaches(op)
+    with caplog.at_level(logging.WARNING, logger="bcg_plugin"), _breakable_capture_flag():
+        runner.capture(progress=False)
+    assert not runner.captured and calls == []
+    assert "BcgCaptureError" in caplog.text and "fake_mamba_mixer" in caplog.text
+    assert "every rank runs prefill eagerly" in caplog.text
+    assert runner.bucket_for(16) is None and dict(runner.stats.fallbacks) == {Fallback.CAPTURE_FAILED.value: 1}
+
+    control = _runner_whose_body_reaches(op)  # the same body outside bcg's capture context captures
+    control.capture(progress=False)
+    assert control.captured and len(calls) == 2
+
+
+def test_the_capture_failure_raises_naming_the_op_when_asked_to(bound_patch):
+    op, _ = _fake_sglang_break()
+    runner = _runner_whose_body_reaches(op, capture_failure="raise")
+    with _breakable_capture_flag(), pytest.raises(BcgCaptureError, match="fake_mamba_mixer"):
+        runner.capture(progress=False)
+
+
+# -- the patch's own checks ----------------------------------------------------------------------
+
+
+def test_the_patch_verifies_against_the_installed_sglang():
+    assert verify(breakable_capture_var.PATCH) is None
+
+
+def test_the_patch_refuses_an_sglang_whose_wrapper_runs_breaks_inline(monkeypatch):
+    def inline_eager_on_graph(enable, capture_stub=None):
+        return lambda inner: inner  # a wrapper that never consults the capture
+
+    monkeypatch.setattr(sglang_bcg, "eager_on_graph", inline_eager_on_graph)
+    problem = verify(breakable_capture_var.PATCH)
+    assert problem is not None and "no longer ends the capture's segment" in problem
+    assert sglang_bcg._current_capture_var.get() is None
+
+
+def test_refusing_breaks_needs_the_patch_applied(monkeypatch):
+    monkeypatch.setattr(breakable_capture_var, "_capture_var", None)
+    with pytest.raises(RuntimeError, match="not bound"):
+        with breakable_capture_var.refusing_breaks(BcgCaptureError):
+            pass
+
+
+# -- installed as SGLang installs plugins --------------------------------------------------------
+
+INSTALLED = """
+import json, torch
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from bcg_plugin import BcgCaptureError, live
+from bcg_plugin.adapters.sglang import attention, is_active
+from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag
+from bcg_plugin.patches.sglang import breakable_capture_var
+from sglang.srt.layers import radix_attention, radix_linear_attention
+from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import breakable_cuda_graph
+out = {"active": is_active(), "bound": breakable_capture_var._capture_var is breakable_cuda_graph._current_capture_var}
+routed = []
+attention.bcg_attention = lambda *a, **kw: routed.append(a[4:])
+q = torch.zeros(4, 8)
+try:
+    with _breakable_capture_flag(), live.bound(live.LiveBatch(4, 4, attention.ForwardPass(None, None, []))):
+        radix_attention.breakable_unified_attention_with_output(q, q, q, q, True, 3)
+        try:
+            radix_linear_attention.bcg_unified_linear_attention_with_output()
+        except BcgCaptureError as e:
+            out["refused"] = str(e)
+except Exception as e:
+    out["error"] = repr(e)
+out["routed"] = routed
+print("INSTALLED " + json.dumps(out))
+"""
+
+
+def _run_installed(**env):
+    """``INSTALLED`` in a fresh interpreter that loads plugins as SGLang's schedulers do."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("BCG_")}
+    full.update(env, PYTHONWARNINGS="ignore", PYTHONPATH=os.getcwd())
+    proc = subprocess.run([sys.executable, "-c", INSTALLED], env=full, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("INSTALLED ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("INSTALLED "):])
+
+
+def test_an_enabled_scheduler_routes_radix_attention_and_refuses_the_rest():
+    out = _run_installed(BCG_ENABLE="1")
+    assert out["active"] and out["bound"], out
+    assert out["routed"] == [[True, 3]]  # RadixAttention's unified op: bcg's break, through the hook
+    assert "graph break torch.ops.sglang.unified_linear_attention_with_output" in out.get("refused", ""), out
+
+
+def test_a_scheduler_without_bcg_leaves_the_variable_unbound():
+    out = _run_installed()
+    assert out["active"] and not out["bound"], out
