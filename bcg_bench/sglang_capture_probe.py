@@ -7,7 +7,8 @@ same measurement for every prefill backend, plus bcg's pool size when bcg's runn
 
 from __future__ import annotations
 
-from bcg_plugin.patches.sglang.base import Patch
+from bcg_plugin.patches import NOT_FILED, Patch
+from bcg_plugin.patches.sglang import Hook
 
 TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
 
@@ -34,12 +35,16 @@ def after_capture_prefill_graph(result, *args, **kwargs):
     return None
 
 
+def make():
+    return after_capture_prefill_graph
+
+
 PATCH = Patch(
     target=TARGET,
-    kind="AFTER",
-    hook=after_capture_prefill_graph,
-    params=("model_runner", "eager_runner"),
+    how=Hook("AFTER", params=("model_runner", "eager_runner")),
+    make=make,
     reason="benchmark only: capture time and graph memory per prefill backend",
-    versions=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="SGLang reports graph memory/time per phase through get_server_info",
 )

@@ -16,7 +16,8 @@ import contextlib
 import functools
 import time
 
-from bcg_plugin.patches.sglang.base import Patch
+from bcg_plugin.patches import NOT_FILED, Patch
+from bcg_plugin.patches.sglang import Hook
 
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 
@@ -67,12 +68,16 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     return out
 
 
+def make():
+    return around_forward
+
+
 PATCH = Patch(
     target=TARGET,
-    kind="AROUND",
-    hook=around_forward,
-    params=("self", "forward_batch"),
+    how=Hook("AROUND", params=("self", "forward_batch")),
+    make=make,
     reason="benchmark only: model-forward time of prefill forwards (CUDA events)",
-    versions=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="SGLang's device timer exposes per-forward prefill times to clients",
 )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,3 +56,14 @@ def agree_dp_bucket(buckets: Sequence[int], local_tokens: int, local_extend: boo
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
     max_tokens, any_idle = int(t[0]), bool(t[1])
     return dp_bucket(buckets, [max_tokens], not any_idle)
+
+
+def first_rank(read_rank: Callable[[], int | None]) -> bool:
+    """Whether this process is its tensor-parallel group's first rank, the one that logs, shows
+    progress and exports metrics for the group. ``read_rank`` reads the host's rank in the group;
+    where it cannot (no group yet, ``None``, an error) the process counts as a group of one."""
+    try:
+        rank = read_rank()
+    except Exception:  # the host's group accessors raise before its distributed state exists
+        return True
+    return rank is None or int(rank) == 0

@@ -58,3 +58,34 @@ def choose_bucket(buckets: Sequence[int], num_tokens: int) -> int | None:
         return None
     i = bisect.bisect_left(buckets, num_tokens)
     return buckets[i] if i < len(buckets) else None
+
+
+def ladder_top(chunk: int, max_requests: int, context_len: int) -> int:
+    """The most tokens one host step can schedule, and so the top bucket: the host's chunk (its
+    most tokens per step), or ``max_requests`` x ``context_len`` where that is less.
+
+    A request extends by at most its context length in a step and a step holds at most the host's
+    request limit, whatever the chunk says (hosts accept a larger chunk with a warning at most).
+    Buckets above the product would never replay, and their capture batches (as few requests as the
+    bucket needs, each at most a context long) would hold more requests, or address more blocks,
+    than the host sized its per-request state for: the capture of the top bucket failed there
+    (SGLang) or read past the block table (vLLM's V2 runner, an illegal memory access).
+    """
+    return min(int(chunk), int(max_requests) * int(context_len))
+
+
+def ladder_top_note(chunk: int, max_requests: int, context_len: int, names: tuple[str, str, str]) -> str | None:
+    """The log line saying the request limit, not the chunk, sets the top bucket (``None`` when the
+    chunk does). ``names``: what the host calls its chunk, request limit and context length."""
+    top = ladder_top(chunk, max_requests, context_len)
+    if top >= chunk:
+        return None
+    chunk_name, requests_name, context_name = names
+    return (f"bcg: prefill graphs up to {top} tokens, what {max_requests} requests ({requests_name}) of "
+            f"{context_len} tokens ({context_name}) hold; {chunk_name} ({chunk}) is more than a step can schedule")
+
+
+def padding_allows(bucket: int, num_tokens: int, max_padding_ratio: float | None) -> bool:
+    """Whether ``num_tokens`` may replay padded to ``bucket``: ``bucket <= ratio * num_tokens``
+    (``None``: always); above it the padded tail costs more than the launches a graph saves."""
+    return max_padding_ratio is None or bucket <= max_padding_ratio * num_tokens

@@ -18,7 +18,7 @@ from bcg_plugin.config import BcgConfig
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgStateError
 from bcg_plugin.hookspecs import HostBatch, StaticInput
-from bcg_plugin.ladder import choose_bucket, resolve_buckets
+from bcg_plugin.ladder import choose_bucket, padding_allows, resolve_buckets
 from bcg_plugin.padding import PaddedRows
 from bcg_plugin.pool import GraphPool, free_device_bytes
 from bcg_plugin.stats import Fallback, RuntimeStats
@@ -352,8 +352,7 @@ class PrefillGraphRunner:
             if bucket is None:
                 self.stats.record_fallback(Fallback.OVER_TOP_BUCKET)
                 return None
-        ratio = self.config.max_padding_ratio
-        if ratio is not None and bucket > ratio * num_tokens:
+        if not padding_allows(bucket, num_tokens, self.config.max_padding_ratio):
             self.stats.record_fallback(Fallback.PADDING_RATIO)
             return None
         return bucket

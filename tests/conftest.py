@@ -54,6 +54,18 @@ def gpu_test_module():
     return load
 
 
+@pytest.fixture
+def stale_metadata_fault(gpu_test_module):
+    """The GPU tests' stale-metadata fault plugin (``tests/gpu/stale_metadata.py``), loaded in this
+    process for one test, as ``BCG_TEST_FAULTS=stale_metadata`` loads it in an engine's."""
+    from bcg_plugin import faults
+
+    plugin = gpu_test_module("stale_metadata")
+    faults.plugins().register(plugin)
+    yield plugin
+    faults.plugins().unregister(plugin)
+
+
 class _FakeCudaEvent:
     """``torch.cuda.Event`` on a CPU: records nothing; every interval is 1 ms."""
 

@@ -40,11 +40,11 @@ def test_invalid_config_fails_and_names_the_key():
 
 def test_unsupported_host_version_is_incompatible(monkeypatch):
     pytest.importorskip("vllm")
-    import bcg_plugin.adapters.vllm.plugin as plugin
+    import bcg_plugin.adapters.vllm.version as version
 
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(version, "installed", lambda: "0.99.0")
     rc, text = _run(engines=["vllm"])
-    assert rc == 1 and "INCOMPATIBLE" in text and "vLLM 0.99.0 is not a version bcg-plugin supports" in text
+    assert rc == 1 and "INCOMPATIBLE" in text and "vllm 0.99.0 is outside the range bcg-plugin supports" in text
     assert "stays off" in text
 
 

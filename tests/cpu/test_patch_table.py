@@ -1,28 +1,92 @@
-"""patches/README.md lists every host symbol the adapters patch, and nothing they do not."""
+"""patches/README.md is the rendering of the patch descriptors, and the patches are leaves."""
 
+from __future__ import annotations
+
+import ast
 import importlib
 import pkgutil
-import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "bcg_plugin" / "patches" / "README.md"
+import bcg_plugin.patches as patches
+from bcg_plugin.patches import README_PATH, readme
+
+PATCHES_DIR = Path(patches.__file__).resolve().parent
+FORBIDDEN = "bcg_plugin.adapters"
 
 
-def _table_modules(section: str) -> set[str]:
-    text = README.read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"^\| `([a-z0-9_]+\.py)` \|", text, re.M))
+def test_committed_readme_is_the_rendering_of_the_descriptors():
+    assert README_PATH.read_text() == readme(), (
+        "bcg_plugin/patches/README.md is stale: run `python -m bcg_plugin.patches --write`")
 
 
-@pytest.mark.parametrize("host, section", [("vllm", "vLLM"), ("sglang", "SGLang")])
-def test_every_patch_module_has_a_row_and_every_row_a_module(host, section):
-    pytest.importorskip(host)
+def test_the_rendering_follows_a_changed_descriptor(monkeypatch):
+    from bcg_plugin.patches.sglang import backend_choices
+
+    monkeypatch.setattr(backend_choices.PATCH, "remove_when", "never, say the descriptors")
+    assert "never, say the descriptors" in readme() and README_PATH.read_text() != readme()
+
+
+@pytest.mark.parametrize("host", ["vllm", "sglang"])
+def test_every_patch_module_is_in_a_set_and_every_patch_in_the_table(host):
     package = importlib.import_module(f"bcg_plugin.patches.{host}")
-    modules = set()
+    modules = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"bcg_plugin.patches.{host}.{info.name}")
         if hasattr(module, "PATCH"):
-            modules.add(f"{info.name}.py")
+            modules[module.__name__] = module.PATCH
     assert modules, f"no patch modules found in bcg_plugin.patches.{host}"
-    assert _table_modules(section) == modules
+    in_sets = [p for s in package.SETS for p in s.patches]
+    assert sorted(p.module for p in in_sets) == sorted(modules)  # each once, none left out
+    assert all(modules[p.module] is p for p in in_sets)
+    text = README_PATH.read_text()
+    for name, patch in modules.items():
+        assert f"| `{name.rpartition('.')[2]}.py` | `{patch.target}`" in text
+
+
+@pytest.mark.parametrize("host, verified", [("vllm", "0.26.0"), ("sglang", "0.5.17")])
+def test_every_patch_states_reason_range_upstream_and_removal(host, verified):
+    from packaging.specifiers import SpecifierSet
+
+    package = importlib.import_module(f"bcg_plugin.patches.{host}")
+    for p in package.ALL:
+        assert p.reason and p.remove_when and p.upstream
+        assert verified in SpecifierSet(p.hosts), p.target
+    assert package.SUPPORTED == patches.supported_versions(package.ALL) and verified in package.SUPPORTED
+
+
+def adapter_imports(source: str) -> list[str]:
+    """Every import of ``bcg_plugin.adapters`` in ``source``, at module level or inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name == FORBIDDEN or a.name.startswith(FORBIDDEN + ".")]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == FORBIDDEN or node.module.startswith(FORBIDDEN + "."):
+                found.append(node.module)
+            elif node.module == "bcg_plugin":
+                found += [f"bcg_plugin.{a.name}" for a in node.names if a.name == "adapters"]
+    return found
+
+
+def test_the_import_scan_finds_lazy_and_aliased_adapter_imports():
+    source = (
+        "import bcg_plugin.ladder\n"
+        "from bcg_plugin import live, adapters\n"
+        "def hook():\n"
+        "    from bcg_plugin.adapters.sglang import replay as runner\n"
+        "    import bcg_plugin.adapters.vllm.plugin\n"
+    )
+    assert adapter_imports(source) == ["bcg_plugin.adapters", "bcg_plugin.adapters.sglang",
+                                       "bcg_plugin.adapters.vllm.plugin"]
+
+
+def test_patches_import_nothing_of_the_adapters():
+    offenders = {}
+    for path in sorted(PATCHES_DIR.rglob("*.py")):
+        found = adapter_imports(path.read_text())
+        if found:
+            offenders[str(path.relative_to(PATCHES_DIR))] = found
+    assert len(list(PATCHES_DIR.rglob("*.py"))) > 15  # the scan saw the patch modules
+    assert offenders == {}, f"patches must be leaves; the adapter hands them what they call: {offenders}"

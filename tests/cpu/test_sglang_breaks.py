@@ -28,7 +28,8 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
 from bcg_plugin import BcgCaptureError, BcgConfig, Fallback, PrefillGraphRunner, live, plugin_manager  # noqa: E402
 from bcg_plugin.adapters.sglang import attention  # noqa: E402
 from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag  # noqa: E402
-from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable, verify  # noqa: E402
+from bcg_plugin.patches import PatchTargetError  # noqa: E402
+from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable  # noqa: E402
 
 HEADS, HEAD_DIM = 2, 4
 WIDTH = HEADS * HEAD_DIM
@@ -118,9 +119,12 @@ def test_attention_restores_the_cache_slots_when_the_backend_raises():
 def bound_patch(monkeypatch):
     """The patch applied as the SGLang patch set applies it (it binds SGLang's variable)."""
     monkeypatch.setattr(breakable_capture_var, "_capture_var", None)
-    in_place = breakable_capture_var.PATCH.apply()
-    assert in_place()
-    return breakable_capture_var
+    patch = breakable_capture_var.PATCH
+    patch.unapply()
+    patch.apply()
+    assert patch.in_place()
+    yield breakable_capture_var
+    patch.unapply()
 
 
 def _fake_sglang_break():
@@ -178,8 +182,9 @@ def test_the_break_bcg_routes_is_not_refused(bound_patch, monkeypatch):
     fwd = attention.ForwardPass(forward_batch=None, attn_backend=None, attention_layers=[])
     q = torch.zeros(4, WIDTH)
     with _breakable_capture_flag(), live.bound(live.LiveBatch(4, 4, fwd)):
-        radix_attention_breakable.around_breakable_attention(
-            radix_attention.breakable_unified_attention_with_output, q, q, q, q, True, 7)
+        around = radix_attention_breakable.make(capturing=attention.capturing,
+                                                attention_break=attention.captured_then_break)
+        around(radix_attention.breakable_unified_attention_with_output, q, q, q, q, True, 7)
         with pytest.raises(BcgCaptureError):  # the same wrapper, reached directly, is refused
             radix_attention.breakable_unified_attention_with_output(q, q, q, q, True, 7)
     assert seen == [(True, 7)]
@@ -231,6 +236,14 @@ def test_the_capture_failure_raises_naming_the_op_when_asked_to(bound_patch):
 
 
 # -- the patch's own checks ----------------------------------------------------------------------
+
+
+def verify(patch) -> str | None:
+    try:
+        patch.verify()
+    except PatchTargetError as e:
+        return str(e)
+    return None
 
 
 def test_the_patch_verifies_against_the_installed_sglang():

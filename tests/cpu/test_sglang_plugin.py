@@ -16,16 +16,15 @@ import types
 from importlib.metadata import entry_points
 
 import pytest
-from packaging.specifiers import SpecifierSet
 
 pytest.importorskip("sglang")
 
 from bcg_plugin.adapters import sglang as adapter  # noqa: E402
-from bcg_plugin.adapters.sglang import eligibility  # noqa: E402
-from bcg_plugin.adapters.sglang import config as settings  # noqa: E402
+from bcg_plugin.adapters.sglang import config, eligibility, plugin, version  # noqa: E402
 from bcg_plugin.adapters.sglang.replay import BcgPrefillRunner  # noqa: E402
 from bcg_plugin.stats import StatsReporter  # noqa: E402
-from bcg_plugin.patches.sglang import Patch, install, verify  # noqa: E402
+from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError  # noqa: E402
+from bcg_plugin.patches.sglang import Hook  # noqa: E402
 from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, RuntimeStats, plugin_manager  # noqa: E402
 
 QWEN3_CONFIG = {
@@ -41,7 +40,10 @@ RUNTIME_TARGETS = {
     "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
     "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs",
 }
-LAUNCH_TARGETS = {"sglang.srt.server_args.ServerArgs.__post_init__"}
+LAUNCH_TARGETS = {"sglang.srt.server_args.ServerArgs.__post_init__"}  # hooks; the launch set also rebinds:
+BACKENDS_TARGET = "sglang.srt.model_executor.cuda_graph_config.Backend.ALL"
+CAPTURE_VAR_TARGET = ("sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph."
+                      "_current_capture_var")  # a rebind, not a hook
 
 
 # -- discovery and targets ---------------------------------------------------------------------
@@ -55,72 +57,77 @@ def test_entry_point_is_declared_and_loads():
 
 
 def test_installed_sglang_is_supported():
-    assert adapter.version_problem(adapter.sglang_version()) is None
+    assert version.installed() is not None and version.problem() is None
 
 
 @pytest.mark.parametrize(
     "found, fragment",
-    [("0.5.18", "outside the supported range"), ("0.4.9", "outside"), ("not-a-version", "not a valid"),
-     (None, "not installed")],
+    [("0.5.18", "outside the range bcg-plugin supports (>=0.5.17,<0.5.18)"), ("0.4.9", "outside"),
+     ("0.5.17.post1", None), ("not-a-version", "not a valid"), (None, "not installed")],
 )
-def test_version_gate(found, fragment):
-    assert fragment in adapter.version_problem(found)
+def test_version_gate(monkeypatch, found, fragment):
+    monkeypatch.setattr(version, "installed", lambda: found)
+    problem = version.problem()
+    assert problem is None if fragment is None else fragment in problem
 
 
 def all_patches():
-    return adapter._patch_set(runtime=True)
+    return plugin._patch_set(runtime=True)
 
 
 def test_every_target_resolves_with_the_expected_signature():
     patches = all_patches()
     assert {p.target for p in patches} >= RUNTIME_TARGETS | LAUNCH_TARGETS
-    problems = {p.target: verify(p) for p in patches}
-    assert all(msg is None for msg in problems.values()), problems
-
-
-def test_every_patch_documents_reason_range_and_removal():
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "bcg_plugin", "patches", "README.md")).read()
-    for p in all_patches():
-        assert p.reason and p.remove_when and SpecifierSet(p.versions) == settings.SUPPORTED_SGLANG
-        assert f"`{p.target}`" in readme, f"{p.target} missing from patches/README.md"
+    assert PatchSet("sglang", patches).problems(plugin.calls()) == []
 
 
 def test_changed_signature_is_reported_naming_the_target():
     target = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
-    msg = verify(Patch(target=target, kind="AROUND", reason="r", versions="v", remove_when="w",
-                       hook=lambda *a, **k: None, params=("model_runner", "renamed_argument")))
-    assert target in msg and "renamed_argument" in msg
+    changed = Patch(target=target, how=Hook("AROUND", params=("model_runner", "renamed_argument")),
+                    make=lambda: None, reason="r", hosts=">=0.5.17", upstream=NOT_FILED, remove_when="w")
+    with pytest.raises(PatchTargetError) as e:
+        changed.verify()
+    assert target in str(e.value) and "renamed_argument" in str(e.value)
 
 
 def test_install_is_all_or_nothing():
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    good = adapter._patch_set(runtime=True)[-1]
-    bad = Patch(target="sglang.srt.no_such_module.fn", kind="AROUND", reason="r", versions="v",
-                remove_when="w", hook=lambda *a, **k: None)
-    report = install([good, bad])
-    assert not report.ok and report.installed == []
-    assert any("sglang.srt.no_such_module.fn" in p for p in report.problems)
-    assert good.target not in HookRegistry._hooks  # nothing was registered
+    good = plugin._patch_set(runtime=True)[-1]
+    bad = Patch(target="sglang.srt.no_such_module.fn", how=Hook("AROUND"), make=lambda: None, reason="r",
+                hosts=">=0.5.17", upstream=NOT_FILED, remove_when="w")
+    with pytest.raises(PatchTargetError, match="sglang.srt.no_such_module.fn"):
+        PatchSet("t", [good, bad]).apply(plugin.calls())
+    assert not good.applied and good.target not in HookRegistry._hooks  # nothing was registered
 
 
-def test_unknown_version_warns_once_and_patches_nothing(monkeypatch, caplog):
-    from sglang.srt.model_executor.cuda_graph_config import Backend
+def test_a_hook_sglang_did_not_install_fails_the_set(monkeypatch):
+    """SGLang only logs a hook it could not apply; the set checks each one is in the target's chain."""
+    from collections import defaultdict
+
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    monkeypatch.setattr(adapter, "_registered", False)
-    monkeypatch.setattr(adapter, "_active", False)
-    monkeypatch.setattr(adapter, "sglang_version", lambda: "0.6.0")
-    monkeypatch.setenv("BCG_ENABLE", "1")
-    before = tuple(Backend.ALL)
-    with caplog.at_level(logging.INFO, logger="bcg_plugin"):
-        adapter.register()
-        adapter.register()  # re-entrant: still one warning
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("bcg_plugin")]
-    assert len(warnings) == 1 and "0.6.0" in warnings[0].getMessage()
-    assert not adapter.is_active()
-    assert tuple(Backend.ALL) == before
-    assert not (RUNTIME_TARGETS | LAUNCH_TARGETS) & set(HookRegistry._hooks)
+    monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
+    monkeypatch.setattr(HookRegistry, "_patched", set())
+    toy = types.ModuleType("bcg_toy_sglang")
+    toy.forward = lambda x: x
+    toy.step = lambda x: x
+    monkeypatch.setitem(sys.modules, toy.__name__, toy)
+
+    def make():
+        return lambda original_fn, *args, **kwargs: ("hooked", original_fn(*args, **kwargs))
+
+    def hooked(target):
+        return Patch(target=target, how=Hook("AROUND", params=("x",)), make=make, reason="r", hosts=">=0.5.17",
+                     upstream=NOT_FILED, remove_when="w")
+
+    taken = hooked("bcg_toy_sglang.forward")
+    PatchSet("t", [taken]).apply()
+    assert toy.forward(1) == ("hooked", 1) and taken.in_place()
+    HookRegistry._patched.add("bcg_toy_sglang.step")  # SGLang treats the target as done: the hook never applies
+    with pytest.raises(PatchTargetError, match="bcg_toy_sglang.step: applied but not in place"):
+        PatchSet("t", [hooked("bcg_toy_sglang.step")]).apply()
+    assert toy.step(1) == 1
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -137,15 +144,15 @@ def test_unknown_version_warns_once_and_patches_nothing(monkeypatch, caplog):
 )
 def test_config_errors_name_the_key(env, key):
     with pytest.raises(BcgConfigError) as e:
-        settings.read_config(env)
+        config.read_config(env)
     assert key in str(e.value)
 
 
 def test_config_defaults_off_and_reads_env():
-    assert not settings.read_config({}).active
-    cfg = settings.read_config({"BCG_ENABLE": "1", "BCG_SIZES": "64,16,32", "BCG_MAX_TOKENS": "64"})
+    assert not config.read_config({}).active
+    cfg = config.read_config({"BCG_ENABLE": "1", "BCG_SIZES": "64,16,32", "BCG_MAX_TOKENS": "64"})
     assert cfg.active and cfg.sizes == (16, 32, 64) and cfg.max_tokens == 64
-    assert settings.stats_interval({"BCG_STATS_INTERVAL_S": "0"}) == 0.0
+    assert config.stats_interval({"BCG_STATS_INTERVAL_S": "0"}) == 0.0
 
 
 # -- runtime pieces that need no GPU ------------------------------------------------------------
@@ -183,6 +190,7 @@ def vote_runner(sizes=(16, 32, 64), ratio=None):
     runner.core = core
     runner.stats_reporter = StatsReporter(core.stats, logger=logging.getLogger("bcg_plugin.sglang"), interval_s=0)
     runner._planned = None
+    runner._unknown_kwargs_logged = False
     return runner
 
 
@@ -231,6 +239,17 @@ def test_dp_ranks_replay_together_or_not_at_all():
     assert r.core.stats.fallbacks["over_top_bucket"] == 1
 
 
+def test_a_keyword_a_later_sglang_adds_means_eager_not_a_crash(caplog):
+    r = vote_runner()
+    with caplog.at_level(logging.WARNING, logger="bcg_plugin.sglang"):
+        assert not vote(r, some_new_condition=False)  # a condition bcg does not know: no replay
+        assert not r.can_run_graph(fake_batch(30), some_new_context=object())
+        assert r.can_run_graph(fake_batch(30)) and vote(r)  # without it, as before
+    assert r.core.stats.fallbacks["feature_not_captured"] == 1  # the eager forward is counted
+    named = [m for m in caplog.messages if "some_new_condition" in m]
+    assert len(named) == 1 and len(caplog.messages) == 1  # one line names it; then quiet
+
+
 def test_execute_refuses_a_batch_it_did_not_plan():
     r = vote_runner()
     with pytest.raises(RuntimeError, match="can_run_graph"):
@@ -247,15 +266,14 @@ SCENARIO = textwrap.dedent(
     from sglang.srt.plugins.hook_registry import HookRegistry
     load_plugins()
     import bcg_plugin.adapters.sglang as adapter
-    from bcg_plugin.adapters.sglang import register
-    from bcg_plugin.patches.sglang.base import is_installed
+    from bcg_plugin.adapters.sglang import plugin, register
     register()  # re-entrant: must not register anything twice
     from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
     from sglang.srt.server_args import ServerArgs, prepare_server_args
     out = {"active": adapter.is_active(), "backends": list(Backend.ALL),
            "hooks": {t: len(h) for t, h in HookRegistry._hooks.items()},
-           "installed": [p.target for p in adapter._patch_set(runtime=True) if is_installed(p)],
+           "installed": [p.target for p in plugin._patch_set(runtime=True) if p.in_place()],
            "capture_wrapped": hasattr(cuda_graph_setup.capture_prefill_graph, "__wrapped__")}
     model = sys.argv[1]
     base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
@@ -286,6 +304,60 @@ SCENARIO = textwrap.dedent(
 )
 
 
+# An SGLang outside the supported range (the version lookup faked before plugins load): the flag value
+# and the Engine keyword must still mean SGLang's default prefill backend, with the one warning register() gives.
+UNSUPPORTED_SCENARIO = textwrap.dedent(
+    """
+    import argparse, json, logging, os, sys
+    warnings = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("bcg_plugin").addHandler(Keep())
+    from bcg_plugin.adapters.sglang import version
+    version.installed = lambda: sys.argv[2]
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    load_plugins()
+    import bcg_plugin.adapters.sglang as adapter
+    adapter.register()  # re-entrant: no second warning
+    from sglang.srt.server_args import ServerArgs
+    out = {"active": adapter.is_active(), "hooks": sorted(HookRegistry._hooks), "after_register": list(warnings)}
+    os.environ.pop("BCG_ENABLE", None)
+    model = sys.argv[1]
+    base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
+
+    def described(args):
+        return {"flag": args.cuda_graph_backend_prefill, "prefill": args.cuda_graph_config.prefill.backend,
+                "env": os.environ.get("BCG_ENABLE")}
+
+    def cli(extra):
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        try:
+            return described(ServerArgs.from_cli_args(parser.parse_args(base + extra)))
+        except SystemExit as e:
+            return {"exit": e.code}
+        except Exception as e:
+            return {"error": type(e).__name__, "message": str(e)}
+
+    out["plain"] = cli([])
+    out["cli_bcg"] = cli(["--cuda-graph-backend-prefill", "bcg"])
+    out["after_cli"] = list(warnings)
+    try:
+        out["engine_kwargs"] = described(ServerArgs(model_path=model, skip_tokenizer_init=True, load_format="dummy",
+                                                    device="cpu", cuda_graph_backend_prefill="bcg"))
+    except Exception as e:
+        out["engine_kwargs"] = {"error": type(e).__name__, "message": str(e)}
+    out["warnings"] = list(warnings)
+    print("SCENARIO " + json.dumps(out))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("qwen3-0.6b-config")
@@ -293,10 +365,14 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def run_scenario(model_dir, **env):
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_scenario(model_dir, *args, scenario=SCENARIO, **env):
     full = {k: v for k, v in os.environ.items() if not k.startswith("BCG_")}
-    full.update(env, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-c", SCENARIO, model_dir], env=full, capture_output=True,
+    full.update(env, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
+                                                                           if p))
+    proc = subprocess.run([sys.executable, "-c", scenario, model_dir, *args], env=full, capture_output=True,
                           text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SCENARIO ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -313,16 +389,41 @@ def not_enabled(model_dir):
     return run_scenario(model_dir)
 
 
+@pytest.fixture(scope="module")
+def unsupported(model_dir):
+    return run_scenario(model_dir, "0.6.0", scenario=UNSUPPORTED_SCENARIO, BCG_ENABLE="1")
+
+
+def test_unsupported_sglang_warns_once_and_installs_only_the_launch_patches(unsupported):
+    assert len(unsupported["after_register"]) == 1, unsupported["after_register"]
+    assert "sglang 0.6.0 is outside the range" in unsupported["after_register"][0]
+    assert not unsupported["active"]
+    assert not RUNTIME_TARGETS & set(unsupported["hooks"])  # BCG_ENABLE=1 or not: bcg's runtime stays out
+    assert LAUNCH_TARGETS <= set(unsupported["hooks"])
+
+
+def test_unsupported_sglang_cli_flag_runs_sglangs_default_prefill_backend(unsupported):
+    plain, bcg = unsupported["plain"], unsupported["cli_bcg"]
+    assert "prefill" in plain, plain
+    assert bcg == {"flag": None, "prefill": plain["prefill"], "env": None}, bcg  # argparse accepted it
+    assert unsupported["after_cli"] == unsupported["after_register"]  # no warning beyond register()'s one
+
+
+def test_unsupported_sglang_engine_keyword_runs_sglangs_default_prefill_backend(unsupported):
+    assert unsupported["engine_kwargs"] == {"flag": None, "prefill": unsupported["plain"]["prefill"], "env": None}
+    assert len(unsupported["warnings"]) == 1, unsupported["warnings"]
+
+
 def test_enabled_scheduler_installs_every_hook_once(enabled):
     assert enabled["active"]
-    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS
+    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS | {BACKENDS_TARGET, CAPTURE_VAR_TARGET}
     assert all(enabled["hooks"][t] == 1 for t in RUNTIME_TARGETS | LAUNCH_TARGETS)
     assert "bcg" in enabled["backends"]
 
 
 def test_not_enabled_is_harmless(not_enabled):
     assert not_enabled["active"]
-    assert set(not_enabled["installed"]) == LAUNCH_TARGETS  # the flag's translation only
+    assert set(not_enabled["installed"]) == LAUNCH_TARGETS | {BACKENDS_TARGET}  # the flag and its translation only
     assert not not_enabled["capture_wrapped"]  # SGLang's prefill runner untouched
     assert not RUNTIME_TARGETS & set(not_enabled["hooks"])
     plain = not_enabled["cli_plain"]
@@ -371,7 +472,7 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
     from bcg_bench.sglang_forward_timer import around_forward
 
     path = tmp_path / "forwards.jsonl"
-    monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
+    monkeypatch.setenv(config.BENCH_RECORD_ENV, str(path))
     fb = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), is_extend_in_batch=extend_in_batch,
                                input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3])
     out = around_forward(lambda self, batch: types.SimpleNamespace(can_run_graph=True), None, fb)
@@ -391,7 +492,7 @@ def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp
     from bcg_bench.profile import PROFILE_TOKENS_ENV
 
     path = tmp_path / "forwards.jsonl"
-    monkeypatch.setenv(settings.BENCH_RECORD_ENV, str(path))
+    monkeypatch.setenv(config.BENCH_RECORD_ENV, str(path))
     monkeypatch.setenv(PROFILE_TOKENS_ENV, "3")
     fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, is_extend_in_batch=True, input_ids=[1, 2, 3],
                                global_num_tokens_cpu=None)
@@ -406,7 +507,7 @@ def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp
     around_forward(forward, None, fb)
     assert kinds() == ["forward"]  # not armed yet: a timed request
     (tmp_path / "forwards.jsonl.profile-armed").touch()
-    assert settings.profile_arm_path(str(path)) == str(tmp_path / "forwards.jsonl.profile-armed")
+    assert config.profile_arm_path(str(path)) == str(tmp_path / "forwards.jsonl.profile-armed")
     around_forward(forward, None, fb)
     around_forward(forward, None, fb)
     assert kinds() == ["forward", "host_profile", "forward", "forward"]  # once
@@ -433,21 +534,43 @@ def test_dp_token_counts_outlive_the_dummy_batch_that_brought_them():
     assert host._dp_fields(64)["global_num_tokens_gpu"] is alive()
 
 
-def test_stale_metadata_knob_never_plans_from_an_idle_dp_forward():
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    planned = []
+def planning_runner(planned: list):
     r = BcgPrefillRunner.__new__(BcgPrefillRunner)
     r.model_runner = types.SimpleNamespace(attn_backend=types.SimpleNamespace(init_forward_metadata=planned.append),
                                            model=object())
-    r._stale_for_test = True
+    r._previous_replay = None
+    return r
+
+
+def extend_batch(n: int = 8):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * n)
+
+
+def test_replays_plan_their_own_batch_without_a_fault_plugin():
+    planned = []
+    r = planning_runner(planned)
+    first, second = extend_batch(), extend_batch()
+    r._plan_attention(first, 8)
+    r._plan_attention(second, 8)
+    assert planned == [first, second] and r._previous_replay is None  # nothing kept for a fault
+
+
+def test_stale_metadata_fault_never_plans_from_an_idle_dp_forward(stale_metadata_fault):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    planned = []
+    r = planning_runner(planned)
     idle = types.SimpleNamespace(forward_mode=ForwardMode.IDLE, input_ids=[0] * 8)
-    extend = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * 8)
+    extend = extend_batch()
     r._previous_replay = idle
-    r._plan_attention(extend)
+    r._plan_attention(extend, 8)
     assert planned == [extend]  # an idle forward's metadata is decode-shaped: never reused
-    r._plan_attention(types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * 8))
-    assert planned[-1] is extend  # the negative control still reuses a previous extend's plan
+    r._plan_attention(extend_batch(), 8)
+    assert planned[-1] is extend  # the negative control reuses a previous extend's plan
+    r._plan_attention(extend_batch(16), 16)
+    assert len(planned[-1].input_ids) == 16  # another token count: out of bounds, so the live plan
 
 
 def test_engine_results_are_kept_and_reused_across_commands(tmp_path, monkeypatch, gpu_test_module):
@@ -512,7 +635,7 @@ def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool
     0, 1, ...: past the pool's rows for a bucket no step can reach."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    from bcg_plugin.adapters.sglang.replay import _chunk_size
+    from bcg_plugin.adapters.sglang.replay import step_token_limit
 
     pool = ReqToTokenPool(size=pool_rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
     prefill = types.SimpleNamespace(max_bs=max_bs, bs=[16, 32, 64])
@@ -523,7 +646,7 @@ def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool
         ps=types.SimpleNamespace(tp_rank=0),
     )
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert _chunk_size(runner) == top
+        assert step_token_limit(runner, log=True) == top
     capped = [r.getMessage() for r in caplog.records if "more than a step can schedule" in r.getMessage()]
     assert len(capped) == (top < 8192)
     buckets = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True), chunk_size=top, device="cpu").buckets

@@ -12,8 +12,9 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from bcg_plugin.adapters.vllm import launch, plugin  # noqa: E402
-from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER, Patch, PatchSet, PatchTargetError  # noqa: E402
+from bcg_plugin.adapters.vllm import launch, plugin, version  # noqa: E402
+from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Wrap  # noqa: E402
+from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER  # noqa: E402
 from bcg_plugin import LiveBatch, live  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -48,9 +49,14 @@ def bcg_records(caplog):
 
 
 def is_patched(patch) -> bool:
-    if hasattr(patch, "_saved"):
-        return getattr(patch.original(), "__bcg_patch__", None) is not None
+    if isinstance(patch.how, Wrap):  # read from vLLM itself, not from the descriptor's state
+        return getattr(patch.current(), "__bcg_patch__", None) is not None
     return patch.applied
+
+
+def patch_of(target, params, **kwargs):
+    return Patch(target=target, how=Wrap(params=params, **kwargs), make=lambda f: f, reason="test",
+                 hosts="==0.26.0", upstream=NOT_FILED, remove_when="never")
 
 
 # -- discovery and registration ------------------------------------------------------------------
@@ -93,42 +99,41 @@ def test_runner_patches_wait_for_a_config_that_enables_bcg(model_config):
 
 @pytest.mark.parametrize("patch", ALL, ids=lambda p: p.target)
 def test_every_patch_target_has_the_expected_signature(patch):
-    patch.verify()
+    patch.verify(plugin.calls())  # the adapter hands every patch all it calls
     assert patch.reason and patch.remove_when
 
 
 def test_a_changed_signature_is_refused_and_nothing_is_applied():
-    bad = Patch(module="vllm.v1.worker.gpu.cudagraph_utils", qualname="CudaGraphManager.dispatch",
-                params=["self", "num_tokens"], make=lambda f: f, reason="test", remove_when="never")
-    missing = Patch(module="vllm.v1.worker.gpu.cudagraph_utils", qualname="CudaGraphManager.no_such_method",
-                    params=["self"], make=lambda f: f, reason="test", remove_when="never")
+    bad = patch_of("vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.dispatch", ["self", "num_tokens"])
+    missing = patch_of("vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.no_such_method", ["self"])
     good = ENTRY.patches[0]
     for broken in (bad, missing):
         with pytest.raises(PatchTargetError, match="CudaGraphManager"):
-            PatchSet("t", [good, broken]).apply()
+            PatchSet("t", [good, broken]).apply(plugin.calls())
         assert not is_patched(good)
 
 
 def test_symbols_a_patch_calls_are_verified_with_its_target():
-    target = dict(module="vllm.v1.worker.gpu_model_runner", qualname="GPUModelRunner.profile_cudagraph_memory",
-                  params=["self"], make=lambda f: f, reason="test", remove_when="never")
-    Patch(**target, uses={"GPUModelRunner._cleanup_profiling_kv_cache": ["self"]}).verify()
-    for uses, problem in [({"GPUModelRunner._no_such_helper": ["self"]}, "attribute not found"),
-                          ({"GPUModelRunner._cleanup_profiling_kv_cache": ["self", "x"]}, "expected parameters")]:
+    runner = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+    target = (f"{runner}.profile_cudagraph_memory", ["self"])
+    patch_of(*target, uses={f"{runner}._cleanup_profiling_kv_cache": ["self"]}).verify()
+    for uses, problem in [({f"{runner}._no_such_helper": ["self"]}, "attribute not found"),
+                          ({f"{runner}._cleanup_profiling_kv_cache": ["self", "x"]}, "expected parameters")]:
         with pytest.raises(PatchTargetError, match=f"GPUModelRunner._.*{problem}"):
-            Patch(**target, uses=uses).verify()
+            patch_of(*target, uses=uses).verify()
 
 
 def test_patch_sets_apply_and_unapply_cleanly():
-    originals = {p.target: p.original() for p in ALL if hasattr(p, "_saved")}
-    ENTRY.apply()
-    RUNNER.apply()
+    wrapped = [p for p in ALL if isinstance(p.how, Wrap)]
+    originals = {p.target: p.current() for p in wrapped}
+    ENTRY.apply(plugin.calls())
+    RUNNER.apply(plugin.calls())
     assert all(is_patched(p) for p in ALL)
-    RUNNER.apply()  # idempotent: no double wrapping
-    assert all(getattr(p.original(), "__bcg_patch__", None) is originals[p.target] for p in ALL if hasattr(p, "_saved"))
+    RUNNER.apply(plugin.calls())  # idempotent: no double wrapping
+    assert all(getattr(p.current(), "__bcg_patch__", None) is originals[p.target] for p in wrapped)
     RUNNER.unapply()
     ENTRY.unapply()
-    assert all(p.original() is originals[p.target] for p in ALL if hasattr(p, "_saved"))
+    assert all(p.current() is originals[p.target] for p in wrapped)
     assert not any(is_patched(p) for p in ALL)
     for p in ALL:  # still the same targets afterwards
         p.verify()
@@ -281,7 +286,7 @@ def _nothing_patched() -> bool:
 
 
 def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog, model_config):
-    monkeypatch.setattr(plugin, "vllm_version", lambda: "0.27.0")
+    monkeypatch.setattr(version, "installed", lambda: "0.27.0")
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         plugin.register()
         plugin.register()
@@ -294,7 +299,7 @@ def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplo
 
 
 def test_changed_entry_target_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog):
-    monkeypatch.setattr(ENTRY.patches[1], "params", ["self", "local_rank"])
+    monkeypatch.setattr(ENTRY.patches[1], "how", Wrap(params=["self", "local_rank"]))
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         plugin.register()
         plugin.register()
@@ -415,9 +420,9 @@ def test_v1_capture_reports_bcgs_graph_memory_with_vllms(monkeypatch, captured, 
     # What the core measured around bcg's capture (free device memory before minus after).
     graphs = types.SimpleNamespace(runner=types.SimpleNamespace(stats=RuntimeStats(graph_bytes=300, pool_bytes=120)))
     graphs = graphs if captured else None  # None: bcg does not run on this runner
-    monkeypatch.setattr(plugin, "capture_v1", lambda runner: graphs)
     runner = types.SimpleNamespace(vllm_config=None, cudagraph_dispatcher=types.SimpleNamespace())
-    capture_model = mod.make(lambda self: 1000)  # what vLLM's own capture measured for its graphs
+    # lambda self: 1000: what vLLM's own capture measured for its graphs
+    capture_model = mod.make(lambda self: 1000, capture_v1=lambda runner: graphs)
     assert capture_model(runner) == expected
     assert runner._bcg_graphs is graphs and runner.cudagraph_dispatcher._bcg_graphs is graphs
 
@@ -426,9 +431,9 @@ def test_v1_profile_adds_bcgs_estimate_to_the_one_vllm_sizes_the_kv_cache_with(m
     from bcg_plugin.patches.vllm import v1_gpu_model_runner_profile_cudagraph_memory as mod
 
     seen = []
-    monkeypatch.setattr(plugin, "estimate_v1", lambda runner: seen.append(runner) or 300)
     runner = object()
-    assert mod.make(lambda self: 1000)(runner) == 1300  # vLLM's own estimate plus bcg's
+    profile = mod.make(lambda self: 1000, estimate_v1=lambda runner: seen.append(runner) or 300)
+    assert profile(runner) == 1300  # vLLM's own estimate plus bcg's
     assert seen == [runner]
 
 
@@ -504,14 +509,13 @@ class _CallableModel:
         return self._fn(**kwargs)
 
 
-def _graphs_with_bucket_64(stale: bool = False, capture_contexts: dict | None = None):
+def _graphs_with_bucket_64(capture_contexts: dict | None = None):
     """VllmPrefillGraphs past its capture (one bucket, 64), without a model runner behind it."""
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
 
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._buckets = frozenset({64})
     graphs._slot_mapping_probe = None
-    graphs.stale_metadata = stale
     graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts=capture_contexts or {})
     return graphs
 
@@ -586,7 +590,7 @@ def test_attention_kernel_reads_the_current_context_and_scrubs_padded_rows():
     q = torch.zeros(8, 2, 4)
     out = torch.zeros(8, 2, 4)
 
-    RUNNER.patches[-1].apply()
+    RUNNER.patches[-1].apply(plugin.calls())
     try:
         with fc.override_forward_context(vllm_ctx):
             op(q, q, q, out, "layer.0")  # no bcg batch bound: all rows written
@@ -618,11 +622,13 @@ class _ReplayRecorder:
 
 
 @pytest.mark.parametrize("stale", [False, True])
-def test_replay_runs_under_the_steps_context_unless_the_stale_control_is_on(stale):
+def test_replay_runs_under_the_steps_context_unless_the_stale_fault_is_loaded(stale, request):
     from vllm.forward_context import override_forward_context
 
+    if stale:
+        request.getfixturevalue("stale_metadata_fault")
     captured = types.SimpleNamespace(name="captured")
-    graphs = _graphs_with_bucket_64(stale, {64: captured})
+    graphs = _graphs_with_bucket_64({64: captured})
     graphs.runner = _ReplayRecorder()
     step = types.SimpleNamespace(batch_descriptor=types.SimpleNamespace(num_tokens=64), slot_mapping={},
                                  attn_metadata={"layer.0": types.SimpleNamespace(num_actual_tokens=40)})
@@ -755,7 +761,7 @@ def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, m
             self.stats = types.SimpleNamespace()
 
     monkeypatch.setattr(graphs, "PrefillGraphRunner", _Runner)
-    monkeypatch.setattr(graphs, "StatsReporter", lambda *a, **k: None)
+    monkeypatch.setattr(graphs, "stats_reporter", lambda *a, **k: None)
     monkeypatch.setattr(graphs, "_first_tp_rank", lambda: True)
     host = types.SimpleNamespace(plugins=lambda: [], device=torch.device("cpu"))
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
@@ -966,7 +972,7 @@ def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied
         logging.getLogger("bcg_plugin").info("bcg: captured before")
         assert seen == []  # negative control: not routed yet
         monkeypatch.setattr(plugin.STATE, "runner_patches", None)
-        monkeypatch.setattr("bcg_plugin.patches.vllm.RUNNER.apply", lambda: None)
+        monkeypatch.setattr("bcg_plugin.patches.vllm.RUNNER.apply", lambda calls=None: None)
         plugin.apply_runner_patches()
         logging.getLogger("bcg_plugin").info("bcg: captured %d buckets", 56)
         assert seen == ["bcg: captured 56 buckets"]

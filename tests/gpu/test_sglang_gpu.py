@@ -2,8 +2,8 @@
 
 Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``. Four engines
 start one after another in this process (each spawns its own scheduler): eager prefill
-(``cuda_graph_backend_prefill="disabled"``), bcg, bcg with the test-only stale-metadata knob, and
-eager prefill again.
+(``cuda_graph_backend_prefill="disabled"``), bcg, bcg with the stale-metadata fault (the test plugin
+``stale_metadata.py``, loaded in the schedulers through ``BCG_TEST_FAULTS``), and eager prefill again.
 
 Model: Qwen3-0.6B shape with random weights written once as a safetensors checkpoint that every
 engine loads: norms 1, matrices N(0, 1/fan_in), embeddings N(0, 0.05^2). SGLang's own dummy
@@ -76,6 +76,7 @@ SEED = 0
 # The last two are consecutive forwards of N tokens with different layouts (no prefix / prefix).
 PROBES = [(40, 24), (100, 64), (300, 200)]
 STALE_SIZES = "32,64,128,256"
+STALE_FAULT = "stale_metadata"  # tests/gpu/stale_metadata.py: replays plan the previous replay's batch
 # Multi-GPU runs of the same check: BCG_TEST_TP=2 [BCG_TEST_MODEL=qwen3-8b] (needs TP GPUs), and with
 # DP attention BCG_TEST_TP=2 BCG_TEST_DP=2 [BCG_TEST_MODEL=qwen3-30b-a3b] (MoE: the expert layers'
 # collectives span the DP ranks). Models other than the 0.6B one load SGLang's dummy weights (a scaled
@@ -221,7 +222,7 @@ def rescale_dummy_weights(engine, model: str = MODEL) -> None:
 
 def start_engine(model_path: str, mode: str, env: dict[str, str], **layout):
     """An engine in this test's layout, or in ``layout`` (``engine_kwargs``' tp, dp, model)."""
-    # The schedulers import dummy_weights (RESCALE_LOADER) from this folder.
+    # The schedulers import dummy_weights (RESCALE_LOADER) and the fault plugins from this folder.
     env = {"PYTHONPATH": soak.with_tests_on_path(os.environ), **env}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -345,7 +346,7 @@ def runs(checkpoint):
     waves, probes = workload(), probe_requests()
     eager = kept("eager", lambda: run_engine(checkpoint, "disabled", waves, probes))
     bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1"))
-    stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_TEST_STALE_METADATA="1",
+    stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_TEST_FAULTS=STALE_FAULT,
                                              BCG_SIZES=STALE_SIZES))
     eager_again = kept("eager-again", lambda: run_engine(checkpoint, "disabled", waves, probes))
     spread = spread_of(eager["results"] + eager["probes"])

@@ -39,7 +39,8 @@ Check (``outputs_match``): for every prompt and every position up to the first d
 token, the two top-5 sets share at least 3 tokens and their logprobs differ by at most
 ``LOGPROB_ATOL`` nats (bf16 through 28 layers; padded graph GEMMs may pick other kernels than the
 eager row count). Negative control: the same engine replaying with the forward context each bucket
-was captured with (``BCG_VLLM_TESTING_STALE_METADATA=1``) must fail that check. bcg over vLLM's
+was captured with (the fault plugin ``stale_metadata.py``, ``BCG_TEST_FAULTS=stale_metadata``) must fail
+that check. bcg over vLLM's
 compiled pieces (``torch_compile``) is checked against vLLM's own compiled engine instead of eager:
 compilation alone moves outputs (see the parametrisation).
 """
@@ -77,7 +78,7 @@ BARRIER_ENV = "BCG_TEST_DP_BARRIER"  # the directory of the DP ranks' barrier fi
 ENGINES = {
     "eager_fa": {"backend": "FLASH_ATTN", "bcg": False},
     "bcg_fa": {"backend": "FLASH_ATTN", "bcg": True},
-    "stale_fa": {"backend": "FLASH_ATTN", "bcg": True, "env": {"BCG_VLLM_TESTING_STALE_METADATA": "1"}},
+    "stale_fa": {"backend": "FLASH_ATTN", "bcg": True, "env": {"BCG_TEST_FAULTS": "stale_metadata"}},
     "eager_fa_v1": {"backend": "FLASH_ATTN", "bcg": False, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
     "bcg_fa_v1": {"backend": "FLASH_ATTN", "bcg": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
     "eager_triton": {"backend": "TRITON_ATTN", "bcg": False},
@@ -237,7 +238,8 @@ def _run_engine_processes(name: str, out: Path) -> dict | None:
     from bcg_bench.vllm_mode import dp_rank_envs
 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if DP == 1 else "1", **ENGINES[name].get("env", {})}
-    # Engine cores and workers unpickle dummy_weights.rescale by reference: its folder on their path.
+    # Engine cores and workers unpickle dummy_weights.rescale by reference and import the fault plugin
+    # (stale_metadata) by name: their folder on their path.
     env["PYTHONPATH"] = soak.with_tests_on_path(env)
     if TP > 1 or DP > 1:  # apply_model ships the weight rescaling to the worker processes
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"

@@ -1,4 +1,4 @@
-"""The SGLang adapter's switches: the flag value, the supported versions, and its own env knobs.
+"""The SGLang adapter's switches: the flag value and its own env knobs.
 
 bcg's runtime config (``BCG_ENABLE``, ``BCG_MAX_TOKENS``, ``BCG_SIZES``, ``BCG_MAX_PADDING_RATIO``,
 ``BCG_CAPTURE_FAILURE``) is the core's :class:`bcg_plugin.BcgConfig`, read from the environment
@@ -11,20 +11,13 @@ import json
 import os
 from collections.abc import Mapping
 
-from packaging.specifiers import SpecifierSet
-
 from bcg_plugin import BcgConfig, BcgConfigError
 
 FLAG_VALUE = "bcg"  # --cuda-graph-backend-prefill bcg / Engine(cuda_graph_backend_prefill="bcg")
-SUPPORTED_SGLANG = SpecifierSet(">=0.5.17,<0.5.18")
 
 ENABLE_ENV = "BCG_ENABLE"
 STATS_INTERVAL_ENV = "BCG_STATS_INTERVAL_S"  # seconds between stats log lines; 0 turns them off
 DEFAULT_STATS_INTERVAL_S = 60.0
-# Test-only: replay with the attention metadata of the previous replay when it had the same token
-# count (so it stays in bounds) instead of planning the live batch: the negative control that the
-# GPU correctness check must catch.
-STALE_METADATA_ENV = "BCG_TEST_STALE_METADATA"
 # Bench-only: a file the scheduler appends prefill forward timings and capture figures to.
 BENCH_RECORD_ENV = "BCG_BENCH_RECORD"
 
@@ -72,7 +65,3 @@ def stats_interval(environ: Mapping[str, str] | None = None) -> float:
     if value < 0:
         raise BcgConfigError(f"environment (BCG_*): {STATS_INTERVAL_ENV!r} must be >= 0, got {raw!r}")
     return value
-
-
-def stale_metadata_for_test() -> bool:
-    return os.environ.get(STALE_METADATA_ENV, "") in ("1", "true", "yes", "on")

@@ -6,20 +6,23 @@ from bcg_plugin.doctor import AdapterReport
 
 
 def diagnose() -> AdapterReport:
-    from bcg_plugin.adapters.sglang import _patch_set, sglang_version, version_problem
-    from bcg_plugin.adapters.sglang import config as settings
-    from bcg_plugin.patches.sglang import verify
+    from bcg_plugin.adapters.sglang import config, version
+    from bcg_plugin.adapters.sglang.plugin import _patch_set, calls
+    from bcg_plugin.patches import PatchTargetError
 
-    report = AdapterReport("sglang", sglang_version(), str(settings.SUPPORTED_SGLANG),
-                           enable_hint=f"--cuda-graph-backend-prefill {settings.FLAG_VALUE} (or BCG_ENABLE=1)")
+    report = AdapterReport("sglang", version.installed(), version.supported(),
+                           enable_hint=f"--cuda-graph-backend-prefill {config.FLAG_VALUE} (or BCG_ENABLE=1)")
     if not report.installed:
         return report
-    problem = version_problem(report.version)
+    problem = version.problem()
     if problem is not None:
         report.problems.append(problem)
+    handed = calls()
     for patch in _patch_set(runtime=True):
-        message = verify(patch)
-        report.targets.append((patch.target, message))
-        if message is not None:
-            report.problems.append(f"patch target changed: {message}")
+        try:
+            patch.verify(handed)
+            report.targets.append((patch.target, None))
+        except PatchTargetError as e:
+            report.targets.append((patch.target, str(e)))
+            report.problems.append(f"patch target changed: {e}")
     return report

@@ -5,14 +5,22 @@ from __future__ import annotations
 import logging
 import os
 
-from bcg_plugin.adapters.sglang import config as settings
 from bcg_plugin import BcgConfigError
+from bcg_plugin.adapters.sglang import config
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
 # Whether this process set BCG_ENABLE itself (from the flag): a later ServerArgs without the flag
 # (a second Engine in the same script) must not inherit it, while a user's own export stays.
 _set_by_flag = False
+
+
+def _refuse_decode(args) -> None:
+    if getattr(args, "cuda_graph_backend_decode", None) == config.FLAG_VALUE:
+        raise BcgConfigError(
+            f"cuda_graph_backend_decode={config.FLAG_VALUE!r}: bcg captures prefill only; use "
+            f"--cuda-graph-backend-prefill {config.FLAG_VALUE}"
+        )
 
 
 def translate_server_args(args) -> None:
@@ -24,24 +32,28 @@ def translate_server_args(args) -> None:
     with the key named, before any scheduler starts.
     """
     global _set_by_flag
-    if getattr(args, "cuda_graph_backend_decode", None) == settings.FLAG_VALUE:
-        raise BcgConfigError(
-            f"cuda_graph_backend_decode={settings.FLAG_VALUE!r}: bcg captures prefill only; use "
-            f"--cuda-graph-backend-prefill {settings.FLAG_VALUE}"
-        )
-    if getattr(args, "cuda_graph_backend_prefill", None) == settings.FLAG_VALUE:
+    _refuse_decode(args)
+    if getattr(args, "cuda_graph_backend_prefill", None) == config.FLAG_VALUE:
         args.cuda_graph_backend_prefill = None
-        os.environ[settings.ENABLE_ENV] = "1"
+        os.environ[config.ENABLE_ENV] = "1"
         _set_by_flag = True
-        config = settings.read_config()
-        if not config.active:
+        cfg = config.read_config()
+        if not cfg.active:
             raise BcgConfigError(
-                f"--cuda-graph-backend-prefill {settings.FLAG_VALUE} asks for bcg but BCG_MAX_TOKENS=0 "
+                f"--cuda-graph-backend-prefill {config.FLAG_VALUE} asks for bcg but BCG_MAX_TOKENS=0 "
                 "disables it; drop one of the two"
             )
-        logger.info("bcg: prefill CUDA graphs enabled (%s)", config.to_dict())
+        logger.info("bcg: prefill CUDA graphs enabled (%s)", cfg.to_dict())
         return
     if _set_by_flag:
-        os.environ.pop(settings.ENABLE_ENV, None)
+        os.environ.pop(config.ENABLE_ENV, None)
         _set_by_flag = False
-    settings.read_config()
+    config.read_config()
+
+
+def sglang_default(args) -> None:
+    """With the plugin off (``register()`` warned why), ``bcg`` means SGLang's default prefill
+    backend: the engine runs as it would without the flag."""
+    _refuse_decode(args)
+    if getattr(args, "cuda_graph_backend_prefill", None) == config.FLAG_VALUE:
+        args.cuda_graph_backend_prefill = None

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from typing import Any
 
-from bcg_plugin.adapters.sglang import eligibility
-from bcg_plugin.adapters.sglang import config as settings
+from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
+from bcg_plugin.adapters.sglang import config, eligibility
 from bcg_plugin.adapters.sglang.host import SglangHost
-from bcg_plugin import BcgCaptureError, BcgConfig, Fallback, HostBatch, PrefillGraphRunner, plugin_manager
-from bcg_plugin.ladder import choose_bucket
-from bcg_plugin.metrics import host_exporter
-from bcg_plugin.stats import StatsReporter
+from bcg_plugin.adapters.sglang.metrics import stats_reporter
+from bcg_plugin.dist import first_rank
+from bcg_plugin.errors import BcgCaptureError
+from bcg_plugin.ladder import choose_bucket, ladder_top, ladder_top_note, padding_allows
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
@@ -32,24 +31,27 @@ class BcgPrefillRunner:
     ``can_run_graph`` for the ``execute`` that follows it, and the periodic stats reporter (log line, Prometheus when SGLang's metrics are on).
     SGLang's scheduler calls :meth:`can_replay_locally` for the DP vote; ``enable_lora`` and
     ``enable_cp_v2_bcg_capture`` are read by SGLang and always off here.
+
+    The methods SGLang calls take any further keyword arguments: one a later SGLang adds names a
+    condition bcg does not know, so the forward runs eagerly (counted, named in one log line)
+    instead of failing with a ``TypeError`` inside the scheduler.
     """
 
     enable_lora = False
     enable_cp_v2_bcg_capture = False
 
-    def __init__(self, model_runner: Any, config: BcgConfig, host: SglangHost):
+    def __init__(self, model_runner: Any, cfg: BcgConfig, host: SglangHost):
         from sglang.srt.distributed.parallel_state import graph_capture
 
         self.model_runner = model_runner
         self.host = host
         prefill = model_runner.server_args.cuda_graph_config.prefill
-        self.core = PrefillGraphRunner(plugin_manager(host), config, chunk_size=_chunk_size(model_runner))
-        exporter = host_exporter("sglang:", logger) if model_runner.server_args.enable_metrics else None
-        self.stats_reporter = StatsReporter(self.core.stats, logger=logger, interval_s=settings.stats_interval(),
-                                            exporter=exporter)
-        self._stale_for_test = settings.stale_metadata_for_test()
+        self.core = PrefillGraphRunner(plugin_manager(host), cfg,
+                                       chunk_size=step_token_limit(model_runner, log=_first_tp_rank(model_runner)))
+        self.stats_reporter = stats_reporter(self.core.stats, model_runner.server_args)
         self._planned: tuple[Any, int] | None = None
-        self._previous_replay: Any = None
+        self._previous_replay: Any = None  # kept only for a fault plugin (bcg_plugin.faults)
+        self._unknown_kwargs_logged = False
         model_runner.tp_group.barrier()
         # SGLang's capture context: its stream, and custom all-reduce buffer registration for TP.
         with graph_capture() as ctx:
@@ -76,11 +78,14 @@ class BcgPrefillRunner:
         return_logprob: bool,
         lora_ineligible: bool = False,
         chunked_prefix_uncapturable: bool = False,
+        **unknown: Any,
     ) -> bool:
         """This rank's vote: a pure function of the batch, so every rank votes alike for alike."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
         if not self.core.captured or lora_ineligible or chunked_prefix_uncapturable or is_target_verify:
+            return False
+        if self._refuses_unknown(unknown, "can_replay_locally"):
             return False
         if input_embeds is not None or replace_embeds is not None:
             return False
@@ -90,13 +95,12 @@ class BcgPrefillRunner:
         if num_tokens is None:
             return True
         bucket = choose_bucket(self.core.buckets, num_tokens)
-        ratio = self.core.config.max_padding_ratio
-        return bucket is not None and (ratio is None or bucket <= ratio * num_tokens)
+        return bucket is not None and padding_allows(bucket, num_tokens, self.core.config.max_padding_ratio)
 
-    def can_run_graph(self, forward_batch: Any) -> bool:
+    def can_run_graph(self, forward_batch: Any, **unknown: Any) -> bool:
         self._planned = None
         self.stats_reporter.tick()
-        if not self.can_replay_locally(
+        if self._refuses_unknown(unknown, "can_run_graph") or not self.can_replay_locally(
             batch_size=forward_batch.batch_size,
             num_tokens=None,
             input_embeds=forward_batch.input_embeds,
@@ -131,7 +135,7 @@ class BcgPrefillRunner:
         if planned is None or planned[0] is not forward_batch:
             raise RuntimeError("bcg: execute() without a matching can_run_graph() for this batch")
         bucket = planned[1]
-        self._plan_attention(forward_batch)
+        self._plan_attention(forward_batch, bucket)
         batch = HostBatch(
             num_tokens=len(forward_batch.input_ids),
             inputs={
@@ -145,18 +149,35 @@ class BcgPrefillRunner:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _plan_attention(self, forward_batch: Any) -> None:
-        """Plan attention for the live batch (the one per-replay metadata step, outside the graph)."""
+    def _refuses_unknown(self, unknown: dict[str, Any], method: str) -> bool:
+        """Whether SGLang passed keyword arguments this runner does not know (then: eager)."""
+        if not unknown:
+            return False
+        if not self._unknown_kwargs_logged:
+            self._unknown_kwargs_logged = True
+            logger.warning("bcg: SGLang passes %s(%s), which bcg does not know; those forwards run eagerly",
+                           method, ", ".join(sorted(unknown)))
+        return True
+
+    def _plan_attention(self, forward_batch: Any, bucket: int) -> None:
+        """Plan attention for the live batch (the one per-replay metadata step, outside the graph).
+
+        A fault plugin (:mod:`bcg_plugin.faults`, tests only) may have the previous replay's batch
+        planned instead, when that was an extend of the same token count (in bounds, but wrong).
+        """
         backend = self.model_runner.attn_backend
-        previous, self._previous_replay = self._previous_replay, forward_batch
-        if (
-            self._stale_for_test
-            and previous is not None
-            and previous.forward_mode.is_extend()  # an idle DP rank's padded forward is IDLE again by now
-            and len(previous.input_ids) == len(forward_batch.input_ids)
-        ):
-            # Negative control only: the previous replay's plan, in bounds but wrong for this batch.
-            backend.init_forward_metadata(previous)
+        earlier = None
+        if faults.active():
+            previous, self._previous_replay = self._previous_replay, forward_batch
+            if (
+                previous is not None
+                and previous.forward_mode.is_extend()  # an idle DP rank's padded forward is IDLE again by now
+                and len(previous.input_ids) == len(forward_batch.input_ids)
+            ):
+                earlier = previous
+        planned = faults.replay_metadata("sglang", bucket, live=forward_batch, earlier=earlier)
+        if planned is not forward_batch:
+            backend.init_forward_metadata(planned)
             return
         if hasattr(self.model_runner.model, "prepare_forward_batch"):
             self.model_runner.model.prepare_forward_batch(forward_batch)
@@ -166,16 +187,10 @@ class BcgPrefillRunner:
         self.core.close()
 
 
-def _chunk_size(model_runner: Any) -> int:
-    """No forward exceeds this: SGLang's prefill graph ceiling (its chunked-prefill size), or the
-    most tokens its request pool's rows can hold where that is less.
-
-    A request extends by at most ``context_len`` tokens a step, and a step holds at most the pool's
-    ``size`` requests (``max_running_requests``, per DP worker). Buckets above that product would
-    never replay, and their capture batches (as few requests of ``context_len`` as the bucket needs)
-    would hold more requests than the pool: the attention backend's per-request metadata is sized
-    for the pool, so the top bucket's capture failed there and left every prefill eager.
-    """
+def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
+    """bcg's top bucket (:func:`bcg_plugin.ladder.ladder_top`): SGLang's prefill graph ceiling (its
+    chunked-prefill size), or what its request pool's rows (``max_running_requests``, per DP worker)
+    hold at ``context_len`` tokens each, where that is less."""
     prefill = model_runner.server_args.cuda_graph_config.prefill
     chunk = model_runner.server_args.chunked_prefill_size
     if prefill.max_bs:
@@ -187,17 +202,16 @@ def _chunk_size(model_runner: Any) -> int:
     pool = getattr(model_runner, "req_to_token_pool", None)
     if pool is None:
         return ceiling
-    limit = int(pool.size) * int(model_runner.model_config.context_len)
-    if limit < ceiling and _first_tp_rank(model_runner):
-        logger.info("bcg: prefill graphs up to %d tokens, what %d requests of context_len %d hold; SGLang's "
-                    "prefill ceiling (%d) is more than a step can schedule", limit, pool.size,
-                    model_runner.model_config.context_len, ceiling)
-    return min(ceiling, limit)
+    context_len = int(model_runner.model_config.context_len)
+    note = ladder_top_note(ceiling, int(pool.size), context_len,
+                           ("SGLang's prefill ceiling", "the request pool's rows", "context_len"))
+    if note is not None and log:
+        logger.info("%s", note)
+    return ladder_top(ceiling, int(pool.size), context_len)
 
 
 def _first_tp_rank(model_runner: Any) -> bool:
-    """Whether this is the TP group's first rank, the one that logs and shows progress for all."""
-    return getattr(getattr(model_runner, "ps", None), "tp_rank", 0) == 0
+    return first_rank(lambda: model_runner.ps.tp_rank)
 
 
 class _breakable_capture_flag:
@@ -236,7 +250,7 @@ def _unrouted_break(op: str) -> BcgCaptureError:
     )
 
 
-def build_runner(model_runner: Any, native_cls: type, config: BcgConfig) -> Any:
+def build_runner(model_runner: Any, native_cls: type, cfg: BcgConfig) -> Any:
     """bcg's runner for ``model_runner``, or SGLang's ``native_cls`` runner if bcg cannot serve it."""
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _resolve_transformer_layer_model
 
@@ -246,28 +260,23 @@ def build_runner(model_runner: Any, native_cls: type, config: BcgConfig) -> Any:
         logger.warning("bcg: not serving prefill for this model (%s); SGLang's own runner is used", reason)
         return native_cls(model_runner)
     host = SglangHost(model_runner, layer_model)
-    return BcgPrefillRunner(model_runner, config, host)
+    return BcgPrefillRunner(model_runner, cfg, host)
 
 
-def capture_prefill_graph(original_fn, *args, **kwargs):
-    """Body of the ``capture_prefill_graph`` patch: SGLang's function, building bcg's runner."""
-    from bcg_plugin.adapters import sglang as adapter
+def prefill_runner_factory(model_runner: Any) -> Any:
+    """What the ``capture_prefill_graph`` patch builds in place of SGLang's prefill runner:
+    ``factory(model_runner, native_cls)``, or ``None`` to keep SGLang's (bcg off, not enabled, or
+    a runner bcg does not serve, named in one warning)."""
+    from bcg_plugin.adapters.sglang.plugin import is_active
 
-    if not adapter.is_active():
-        return original_fn(*args, **kwargs)
-    config = settings.read_config()
-    model_runner = kwargs.get("model_runner")
-    if not config.active or model_runner is None:
-        return original_fn(*args, **kwargs)
+    if not is_active() or model_runner is None:
+        return None
+    cfg = config.read_config()
+    if not cfg.active:
+        return None
     reason = eligibility.runner_reason(model_runner)
     if reason is not None:
         if not model_runner.is_draft_worker:
             logger.warning("bcg: not serving prefill (%s); SGLang's own runner is used", reason)
-        return original_fn(*args, **kwargs)
-    module = sys.modules[original_fn.__module__]
-    native_cls = module.PrefillCudaGraphRunner
-    module.PrefillCudaGraphRunner = lambda mr: build_runner(mr, native_cls, config)
-    try:
-        return original_fn(*args, **kwargs)
-    finally:
-        module.PrefillCudaGraphRunner = native_cls
+        return None
+    return lambda runner, native_cls: build_runner(runner, native_cls, cfg)

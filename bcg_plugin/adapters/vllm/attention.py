@@ -9,8 +9,9 @@ decode capture) it is a plain call, because bcg breaks only under bcg's own capt
 The break reads whichever forward context is current when it runs: at capture the dummy batch's,
 which :meth:`~bcg_plugin.adapters.vllm.host.VllmHost.bcg_body_forward` binds, and at replay the one vLLM
 set for the step. A replay is a straight call of vLLM's function, as in vLLM's own breakable
-graphs; the stale-metadata negative control of the GPU tests binds the capture-time context
-around the replay instead (:meth:`~bcg_plugin.adapters.vllm.replay.VllmPrefillGraphs.forward`).
+graphs. The stale-metadata negative control of the GPU tests (a fault plugin, :mod:`bcg_plugin.faults`)
+has :meth:`~bcg_plugin.adapters.vllm.replay.VllmPrefillGraphs.forward` bind the capture-time context
+around the replay instead.
 """
 
 from __future__ import annotations

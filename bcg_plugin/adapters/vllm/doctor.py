@@ -6,19 +6,21 @@ import json
 import os
 
 from bcg_plugin.adapters.vllm.config import VLLM_DEFAULTS
-from bcg_plugin.adapters.vllm.replay import METRICS_ENV, METRICS_NOTE
+from bcg_plugin.adapters.vllm.metrics import METRICS_ENV, METRICS_NOTE
 from bcg_plugin.doctor import AdapterReport
 
 
 def diagnose() -> AdapterReport:
-    from bcg_plugin.adapters.vllm.plugin import version_problem, vllm_version
-    from bcg_plugin.patches.vllm import ALL, SUPPORTED_VLLM, PatchTargetError
+    from bcg_plugin.adapters.vllm import version
+    from bcg_plugin.adapters.vllm.plugin import calls
+    from bcg_plugin.patches import PatchTargetError
+    from bcg_plugin.patches.vllm import ALL
 
-    report = AdapterReport("vllm", vllm_version(), str(SUPPORTED_VLLM),
+    report = AdapterReport("vllm", version.installed(), version.supported(),
                            enable_hint="--additional-config '{\"bcg\": {\"enable\": true}}'")
     if not report.installed:
         return report
-    problem = version_problem(report.version)
+    problem = version.problem()
     if problem is not None:
         report.problems.append(problem)
     report.notes.append(f"vLLM's defaults under the keys you set: {json.dumps(VLLM_DEFAULTS)} (torch_compile keeps "
@@ -28,7 +30,7 @@ def diagnose() -> AdapterReport:
         report.notes.append(METRICS_NOTE)
     for patch in ALL:
         try:
-            patch.verify()
+            patch.verify(calls())
             report.targets.append((patch.target, None))
         except PatchTargetError as e:
             report.targets.append((patch.target, str(e)))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from bcg_plugin import BcgCaptureError
+from bcg_plugin.adapters.vllm import version
 from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 from bcg_plugin.adapters.vllm.log import logger, route_core_logs
-from bcg_plugin import BcgCaptureError
-from bcg_plugin.doctor import installed_version
 
 
 class _State:
@@ -28,10 +28,6 @@ class _State:
 
 
 STATE = _State()
-
-
-def vllm_version() -> str | None:
-    return installed_version("vllm")
 
 
 def register() -> None:
@@ -51,34 +47,33 @@ def register() -> None:
         STATE.registered = True
 
 
-def version_problem(found: str | None) -> str | None:
-    """Why this vLLM version is not patched, or ``None`` if it is supported."""
-    from packaging.version import InvalidVersion, Version
+def calls() -> dict[str, Any]:
+    """What the patches call in the adapter, by the names their ``make`` takes."""
+    from bcg_plugin.adapters.vllm.attention import make_attention_break
+    from bcg_plugin.adapters.vllm.launch import configure_engine
 
-    from bcg_plugin.patches.vllm import SUPPORTED_VLLM
-
-    if found is None:
-        return "vllm is not installed"
-    try:
-        known = Version(found) in SUPPORTED_VLLM
-    except InvalidVersion:
-        known = False
-    if not known:
-        return f"vLLM {found} is not a version bcg-plugin supports ({SUPPORTED_VLLM})"
-    return None
+    return {
+        "configure_engine": configure_engine,
+        "arm_runner_patches": arm_runner_patches,
+        "runs_bcg": runs_bcg,
+        "capture_v1": capture_v1,
+        "capture_v2": capture_v2,
+        "estimate_v1": estimate_v1,
+        "attention_break": make_attention_break,
+    }
 
 
 def _refusal() -> str | None:
-    from bcg_plugin.patches.vllm import ENTRY, PatchTargetError
+    from bcg_plugin.patches import PatchTargetError
+    from bcg_plugin.patches.vllm import ENTRY
 
-    found = vllm_version()
-    problem = version_problem(found)
+    problem = version.problem()
     if problem is not None:
         return problem
     try:
-        ENTRY.apply()
+        ENTRY.apply(calls())
     except PatchTargetError as e:
-        return f"vLLM {found} does not have the expected patch targets ({e})"
+        return f"vLLM {version.installed()} does not have the expected patch targets ({e})"
     return None
 
 
@@ -98,12 +93,13 @@ def apply_runner_patches() -> bool:
     """Install the model-runner patch set once in this process (one warning if it cannot)."""
     with STATE.lock:
         if STATE.runner_patches is None:
-            from bcg_plugin.patches.vllm import RUNNER, PatchTargetError
+            from bcg_plugin.patches import PatchTargetError
+            from bcg_plugin.patches.vllm import RUNNER
 
             route_core_logs()  # this worker runs the core: its capture summary belongs in vLLM's log
 
             try:
-                RUNNER.apply()
+                RUNNER.apply(calls())
                 STATE.runner_patches = True
             except PatchTargetError as e:
                 STATE.runner_patches = False

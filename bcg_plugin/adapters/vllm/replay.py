@@ -15,23 +15,14 @@ from typing import Any
 
 import torch
 
+from bcg_plugin import Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.vllm.config import SUPPORTED_BACKENDS, bcg_config
 from bcg_plugin.adapters.vllm.host import VllmHost
 from bcg_plugin.adapters.vllm.log import logger
-from bcg_plugin import Fallback, HostBatch, PrefillGraphRunner, plugin_manager
-from bcg_plugin.metrics import host_exporter
-from bcg_plugin.stats import StatsReporter
+from bcg_plugin.adapters.vllm.metrics import METRICS_ENV, METRICS_NOTE, stats_reporter
+from bcg_plugin.dist import first_rank
+from bcg_plugin.ladder import ladder_top, ladder_top_note
 
-# Test-only: replay with the forward context the bucket was captured with instead of the live one
-# (NOTES pitfall 8). The GPU tests use it as the negative control that must fail the comparison.
-STALE_METADATA_ENV = "BCG_VLLM_TESTING_STALE_METADATA"
-STATS_LOG_INTERVAL_S = 30.0
-# vLLM serves /metrics from the API server's own registry unless prometheus_client runs in
-# multiprocess mode; the runner's counters live in the engine process.
-METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
-METRICS_NOTE = (f"bcg's Prometheus counters reach vLLM's /metrics only with {METRICS_ENV} set to an empty "
-                "directory before `vllm serve` starts (prometheus_client's multiprocess mode); the periodic "
-                "log line works without it")
 _GRAPH_INPUTS = ("input_ids", "positions", "inputs_embeds")
 
 # Every live instance in this process, for the benchmark and tests (weak: runners own them).
@@ -39,21 +30,14 @@ INSTANCES: weakref.WeakSet = weakref.WeakSet()
 
 
 def step_token_limit(vllm_config: Any, *, log: bool = False) -> int:
-    """The most tokens one step can schedule, and so bcg's top bucket: ``max_num_batched_tokens``,
-    or ``max_num_seqs`` x ``max_model_len`` where that is smaller.
-
-    A request schedules at most ``max_model_len`` tokens a step, and vLLM only warns when the chunk
-    exceeds what ``max_num_seqs`` such requests hold. Buckets above it would never replay, and their
-    capture batches would hold more tokens than the block table can address (V2's one-request
-    capture batch read attention's block ids past the table's end: an illegal memory access).
-    """
-    chunk = vllm_config.scheduler_config.max_num_batched_tokens
-    limit = vllm_config.scheduler_config.max_num_seqs * vllm_config.model_config.max_model_len
-    if limit < chunk and log:
-        logger.info("bcg: prefill graphs up to %d tokens, what max_num_seqs (%d) requests of max_model_len (%d) "
-                    "tokens hold; max_num_batched_tokens (%d) is more than a step can schedule", limit,
-                    vllm_config.scheduler_config.max_num_seqs, vllm_config.model_config.max_model_len, chunk)
-    return min(chunk, limit)
+    """bcg's top bucket (:func:`bcg_plugin.ladder.ladder_top`): ``max_num_batched_tokens``, or
+    ``max_num_seqs`` x ``max_model_len`` where that is smaller (vLLM only warns about such a chunk)."""
+    numbers = (vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.scheduler_config.max_num_seqs,
+               vllm_config.model_config.max_model_len)
+    note = ladder_top_note(*numbers, ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
+    if note is not None and log:
+        logger.info("%s", note)
+    return ladder_top(*numbers)
 
 
 def runner_unsupported_reason(model: Any, attn_groups: Any, kv_cache_config: Any) -> str | None:
@@ -80,7 +64,7 @@ class VllmPrefillGraphs:
         host: the hooks (:class:`~bcg_plugin.adapters.vllm.host.VllmHost`) the core calls.
         runner: the core :class:`~bcg_plugin.PrefillGraphRunner` (ladder up to the chunk size, or
             :func:`step_token_limit` where a step can hold fewer tokens).
-        stale_metadata: test-only negative control (see ``STALE_METADATA_ENV``).
+        reporter: the periodic stats line and Prometheus counters (:mod:`~bcg_plugin.adapters.vllm.metrics`).
     """
 
     def __init__(self, host: VllmHost, vllm_config: Any, *, reports: bool = True):
@@ -90,13 +74,9 @@ class VllmPrefillGraphs:
             plugin_manager(*host.plugins()), bcg_config(vllm_config),
             chunk_size=step_token_limit(vllm_config, log=self._reports), device=host.device,
         )
-        self.stale_metadata = os.environ.get(STALE_METADATA_ENV) == "1"
         self._buckets = frozenset()
         self._slot_mapping_probe: tuple[str, int] | None = None
-        self.reporter = StatsReporter(
-            self.runner.stats, logger=logger, interval_s=STATS_LOG_INTERVAL_S if self._reports else 0,
-            exporter=host_exporter("vllm:", logger) if self._reports else None,
-        )
+        self.reporter = stats_reporter(self.runner.stats, reports=self._reports)
         if self._reports and METRICS_ENV not in os.environ:
             logger.info("bcg: %s", METRICS_NOTE)
         INSTANCES.add(self)
@@ -131,7 +111,7 @@ class VllmPrefillGraphs:
         for layer, slots in (context.slot_mapping or {}).items():
             self._slot_mapping_probe = (layer, slots.data_ptr())
             break
-        if not self.stale_metadata:
+        if not faults.active():  # a fault plugin may have replays read them (bcg_plugin.faults)
             self.host.capture_contexts.clear()
 
     @torch.inference_mode()
@@ -163,7 +143,7 @@ class VllmPrefillGraphs:
         if batch is None:
             self.runner.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
             return model(**model_inputs)
-        if batch.payload is not context:  # the stale-metadata control: attention reads the captured context
+        if batch.payload is not context:  # a fault plugin's choice: attention reads that context
             from vllm.forward_context import override_forward_context
 
             with override_forward_context(batch.payload):
@@ -190,7 +170,7 @@ class VllmPrefillGraphs:
                 return None
         if self.host.embeds_in_graph and model_inputs.get("inputs_embeds") is not None:
             return None  # the graph embeds token ids itself; embeddings from the host were not captured
-        payload = self.host.capture_contexts[bucket] if self.stale_metadata else context
+        payload = faults.replay_metadata("vllm", bucket, live=context, earlier=self.host.capture_contexts.get(bucket))
         inputs = {k: model_inputs.get(k) for k in _GRAPH_INPUTS if model_inputs.get(k) is not None}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload, requested_tokens=requested)
 
@@ -209,9 +189,9 @@ def _num_actual_tokens(attn_metadata: Any) -> int | None:
 
 
 def _first_tp_rank() -> bool:
-    try:
+    def rank() -> int:
         from vllm.distributed.parallel_state import get_tp_group
 
-        return get_tp_group().rank_in_group == 0
-    except Exception:
-        return True
+        return get_tp_group().rank_in_group
+
+    return first_rank(rank)

@@ -1,12 +1,48 @@
-"""What bcg-plugin patches in SGLang, one module per patched SGLang symbol.
+"""What bcg-plugin patches in SGLang, one module per patched SGLang symbol (table: patches/README.md).
 
-Each module exposes ``PATCH``, a :class:`~bcg_plugin.patches.sglang.base.Patch` naming its target, the
-reason, the SGLang versions it was written against and when it can be removed (the same facts as
-the SGLang table in ``patches/README.md``). :func:`~bcg_plugin.patches.sglang.base.install` verifies every
-target of a set before registering any hook, then checks that SGLang's ``HookRegistry`` really
-installed them: SGLang only logs hook failures, so an unchecked plugin could fail silently.
+Two sets, each verified in full before any of it is applied (:class:`~bcg_plugin.patches.PatchSet`):
+
+* ``LAUNCH``, installed by ``register()`` in every process that loads plugins, also where the
+  runtime is off (an unsupported SGLang): it accepts and translates the ``bcg`` flag value;
+* ``RUNTIME``, installed with it where ``BCG_ENABLE`` is on (schedulers of an enabled launch).
 """
 
-from bcg_plugin.patches.sglang.base import InstallReport, Patch, install, verify
+from __future__ import annotations
 
-__all__ = ["InstallReport", "Patch", "install", "verify"]
+from bcg_plugin.patches._patch import PatchSet, supported_versions
+from bcg_plugin.patches.sglang._hook import Hook
+from bcg_plugin.patches.sglang import (
+    backend_choices,
+    breakable_capture_var,
+    capture_prefill_graph,
+    radix_attention_breakable,
+    radix_attention_breakable_extra,
+    radix_attention_breakable_lse,
+    server_args_post_init,
+)
+
+HOST = "sglang"  # the distribution whose version the patches are checked against
+TITLE = "SGLang"
+NOTES = """\
+Hooks go through SGLang's `HookRegistry`; after applying a set, the plugin checks that each hook
+really is in place (SGLang only logs hook failures). Hooks cannot be removed: their bodies pass
+through to SGLang unless the adapter says bcg runs, so a set that did not fully install is
+switched off without unpatching. On an SGLang outside the supported range the runtime stays off
+with one warning, and only the launch set is installed, verified against the live symbols, so that
+`--cuda-graph-backend-prefill bcg` and `Engine(cuda_graph_backend_prefill="bcg")` run SGLang's
+default prefill backend instead of failing."""
+
+LAUNCH = PatchSet("launch", [backend_choices.PATCH, server_args_post_init.PATCH],
+                  when="always, also on an unsupported SGLang")
+RUNTIME = PatchSet("runtime", [
+    capture_prefill_graph.PATCH,
+    breakable_capture_var.PATCH,
+    radix_attention_breakable.PATCH,
+    radix_attention_breakable_lse.PATCH,
+    radix_attention_breakable_extra.PATCH,
+], when="`BCG_ENABLE` on, with the launch set")
+SETS = (LAUNCH, RUNTIME)
+ALL = [*LAUNCH.patches, *RUNTIME.patches]
+SUPPORTED = supported_versions(ALL)
+
+__all__ = ["ALL", "HOST", "Hook", "LAUNCH", "RUNTIME", "SETS", "SUPPORTED"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any
 
@@ -14,7 +15,8 @@ def op_params(op: Any) -> set[str]:
 
 
 def check_op(target: str, inner_name: str, required: tuple[str, ...]):
-    """A ``Patch.check`` for a breakable wrapper whose signature is ``(*args, **kwargs)``.
+    """A :class:`~bcg_plugin.patches.sglang._hook.Hook` check for a breakable wrapper whose
+    signature is ``(*args, **kwargs)``.
 
     The wrapper itself tells nothing; the op it wraps (``inner_name`` in the same module) fixes
     the call convention RadixAttention uses, which is what bcg's break must accept.
@@ -22,20 +24,18 @@ def check_op(target: str, inner_name: str, required: tuple[str, ...]):
 
     def check(value: Any) -> str | None:
         if not callable(value):
-            return f"{target}: expected a callable, found {type(value).__name__}"
-        import importlib
-
+            return f"expected a callable, found {type(value).__name__}"
         module = importlib.import_module(target.rsplit(".", 1)[0])
         inner = getattr(module, inner_name, None)
         if inner is None:
-            return f"{target}: the wrapped op {inner_name} is gone"
+            return f"the wrapped op {inner_name} is gone"
         try:
             names = op_params(inner)
         except (TypeError, ValueError) as e:
-            return f"{target}: signature of {inner_name} unreadable ({e})"
+            return f"signature of {inner_name} unreadable ({e})"
         missing = [p for p in required if p not in names]
         if missing:
-            return f"{target}: {inner_name} lacks parameters {missing}"
+            return f"{inner_name} lacks parameters {missing}"
         return None
 
     return check

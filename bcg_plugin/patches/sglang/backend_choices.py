@@ -9,32 +9,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from bcg_plugin.adapters.sglang.config import FLAG_VALUE
-from bcg_plugin.patches.sglang.base import Patch
-
-TARGET = "sglang.srt.model_executor.cuda_graph_config.Backend.ALL"
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Rebind
 
 
 def _check(value: Any) -> str | None:
     if not isinstance(value, tuple) or "breakable" not in value:
-        return f"{TARGET}: expected a tuple of backend names containing 'breakable', got {value!r}"
+        return f"expected a tuple of backend names containing 'breakable', got {value!r}"
     return None
 
 
-def _apply():
-    from sglang.srt.model_executor.cuda_graph_config import Backend
-
-    if FLAG_VALUE not in Backend.ALL:
-        Backend.ALL = (*Backend.ALL, FLAG_VALUE)
-    return lambda: FLAG_VALUE in Backend.ALL
+def make(backends: tuple[str, ...], *, flag_value: str) -> tuple[str, ...]:
+    return backends if flag_value in backends else (*backends, flag_value)
 
 
 PATCH = Patch(
-    target=TARGET,
-    kind="VALUE",
-    check=_check,
-    apply=_apply,
-    reason="accept 'bcg' as a value of --cuda-graph-backend-prefill (argparse choices)",
-    versions=">=0.5.17,<0.5.18",
+    target="sglang.srt.model_executor.cuda_graph_config.Backend.ALL",
+    how=Rebind(check=_check),
+    make=make,
+    reason="accept `bcg` as a `--cuda-graph-backend-prefill` value (argparse reads the tuple when the parser "
+           "is built)",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="SGLang lets plugins register prefill graph backends or extra flags",
 )

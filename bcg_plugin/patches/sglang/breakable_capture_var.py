@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
-from bcg_plugin.patches.sglang.base import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Rebind
 
 MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
 TARGET = f"{MODULE}._current_capture_var"
@@ -125,20 +125,20 @@ def _check(value: Any) -> str | None:
     return None
 
 
-def _apply() -> Callable[[], bool]:
+def make(var: contextvars.ContextVar) -> contextvars.ContextVar:
+    """Binds SGLang's variable for :func:`refusing_breaks`; the host keeps the same object."""
     global _capture_var
-    _capture_var = importlib.import_module(MODULE)._current_capture_var
-    # In place while SGLang's wrapper still reads the variable bcg sets.
-    return lambda: getattr(sys.modules.get(MODULE), "_current_capture_var", None) is _capture_var
+    _capture_var = var
+    return var
 
 
 PATCH = Patch(
     target=TARGET,
-    kind="VALUE",
-    check=_check,
-    apply=_apply,
+    how=Rebind(check=_check),
+    make=make,
     reason="while bcg captures, fail the capture naming the op at any SGLang graph break bcg does not "
     "route (it would run inline, its capture batch's metadata baked into the graph)",
-    versions=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="SGLang's breaks dispatch through a pluggable break primitive bcg can own",
 )

@@ -8,29 +8,31 @@ captures and passes through otherwise.
 
 from __future__ import annotations
 
+from bcg_plugin.patches._patch import NOT_FILED, Patch
+from bcg_plugin.patches.sglang._hook import Hook
 from bcg_plugin.patches.sglang._op_signature import check_op
-from bcg_plugin.patches.sglang.base import Patch
 
 TARGET = "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output"
 PARAMS = ("query", "key", "value", "output", "save_kv_cache", "layer_id", "use_mha_companion",
           "key_value_num_tokens")
 
 
-def around_breakable_attention(original_fn, *args, **kwargs):
-    from bcg_plugin.adapters.sglang import attention
+def make(*, capturing, attention_break):
+    def around_breakable_attention(original_fn, *args, **kwargs):
+        if capturing():
+            return attention_break(*args, **kwargs)
+        return original_fn(*args, **kwargs)
 
-    if attention.capturing():
-        return attention.captured_then_break(*args, **kwargs)
-    return original_fn(*args, **kwargs)
+    return around_breakable_attention
 
 
 PATCH = Patch(
     target=TARGET,
-    kind="AROUND",
-    hook=around_breakable_attention,
-    check=check_op(TARGET, "unified_attention_with_output", PARAMS),
-    reason="make attention bcg's eager break (owned inputs, padded rows scrubbed, live batch) "
-    "while bcg captures",
-    versions=">=0.5.17,<0.5.18",
+    how=Hook("AROUND", check=check_op(TARGET, "unified_attention_with_output", PARAMS)),
+    make=make,
+    reason="route RadixAttention's breakable op to bcg's eager break (owned inputs, padded rows scrubbed, "
+           "live batch) while bcg captures; SGLang's wrapper only splits under its own capture primitive",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="SGLang's breakable ops dispatch through a pluggable break primitive",
 )

@@ -6,26 +6,29 @@ such models (Inkling and similar) eager instead of capturing their attention inl
 
 from __future__ import annotations
 
+from bcg_plugin.patches._patch import NOT_FILED, Patch
+from bcg_plugin.patches.sglang._hook import Hook
 from bcg_plugin.patches.sglang._op_signature import check_op
-from bcg_plugin.patches.sglang.base import Patch
 
 TARGET = "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs"
 
 
-def around_breakable_attention_extra(original_fn, *args, **kwargs):
-    from bcg_plugin.adapters.sglang import attention
+def make(*, capturing, refuse):
+    def around_breakable_attention_extra(original_fn, *args, **kwargs):
+        if capturing():
+            refuse("attention with score_mod/aux_tensors/descale kwargs")
+        return original_fn(*args, **kwargs)
 
-    if attention.capturing():
-        attention.refuse("attention with score_mod/aux_tensors/descale kwargs")
-    return original_fn(*args, **kwargs)
+    return around_breakable_attention_extra
 
 
 PATCH = Patch(
     target=TARGET,
-    kind="AROUND",
-    hook=around_breakable_attention_extra,
-    check=check_op(TARGET, "attention_with_output_extra_kwargs", ("query", "output", "extra_kwargs")),
-    reason="fail bcg capture loudly for attention kwargs bcg's break does not handle",
-    versions=">=0.5.17,<0.5.18",
+    how=Hook("AROUND", check=check_op(TARGET, "attention_with_output_extra_kwargs", ("query", "output", "extra_kwargs"))),
+    make=make,
+    reason="fail bcg's capture for attention with `score_mod`/`aux_tensors`/descale kwargs, which bcg's "
+           "break does not narrow",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="bcg's break narrows per-token extra kwargs",
 )

@@ -7,26 +7,29 @@ slips through into a capture failure (eager on every rank) instead of attention 
 
 from __future__ import annotations
 
+from bcg_plugin.patches._patch import NOT_FILED, Patch
+from bcg_plugin.patches.sglang._hook import Hook
 from bcg_plugin.patches.sglang._op_signature import check_op
-from bcg_plugin.patches.sglang.base import Patch
 
 TARGET = "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse"
 
 
-def around_breakable_attention_lse(original_fn, *args, **kwargs):
-    from bcg_plugin.adapters.sglang import attention
+def make(*, capturing, refuse):
+    def around_breakable_attention_lse(original_fn, *args, **kwargs):
+        if capturing():
+            refuse("attention returning log-sum-exp (chunked-prefix MHA)")
+        return original_fn(*args, **kwargs)
 
-    if attention.capturing():
-        attention.refuse("attention returning log-sum-exp (chunked-prefix MHA)")
-    return original_fn(*args, **kwargs)
+    return around_breakable_attention_lse
 
 
 PATCH = Patch(
     target=TARGET,
-    kind="AROUND",
-    hook=around_breakable_attention_lse,
-    check=check_op(TARGET, "unified_attention_with_output_and_lse", ("query", "output", "layer_id")),
-    reason="fail bcg capture loudly for attention bcg cannot break (returns a CUDA tensor)",
-    versions=">=0.5.17,<0.5.18",
+    how=Hook("AROUND", check=check_op(TARGET, "unified_attention_with_output_and_lse", ("query", "output", "layer_id"))),
+    make=make,
+    reason="fail bcg's capture (eager on every rank) rather than bake LSE attention, which returns a CUDA "
+           "tensor, into a graph",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
     remove_when="bcg supports breaks with tensor results, or SGLang drops the LSE break",
 )

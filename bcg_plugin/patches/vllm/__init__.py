@@ -9,8 +9,8 @@ Two sets, each verified in full before any of it is applied, and applied all or 
 
 from __future__ import annotations
 
-from packaging.specifiers import SpecifierSet
-
+from bcg_plugin.patches._patch import PatchSet, supported_versions
+from bcg_plugin.patches.vllm._kernel import Kernel
 from bcg_plugin.patches.vllm import (
     unified_attention_with_output,
     v1_cudagraph_dispatcher_dispatch,
@@ -25,13 +25,20 @@ from bcg_plugin.patches.vllm import (
     vllm_config_post_init,
     worker_wrapper_init_device,
 )
-from bcg_plugin.patches.vllm._patch import Patch, PatchSet, PatchTargetError
 
-# The vLLM releases these patches were written and verified against.
-SUPPORTED_VLLM = SpecifierSet("==0.26.0")
+HOST = "vllm"  # the distribution whose version the patches are checked against
+TITLE = "vLLM"
+NOTES = """\
+A wrapped target's parameter names must equal, in order, the ones the patch was written against
+(the wrapper passes arguments positionally), and so must those of the vLLM methods a patch calls
+without patching them. Sets are removable (`PatchSet.unapply`). Any other vLLM version: one
+warning, vLLM unpatched, the engine runs as without bcg. If the runner set cannot be verified in a
+worker: one warning, bcg off in that engine (torch.compile stays as the front-end set it)."""
 
-ENTRY = PatchSet("vllm-entry", [vllm_config_post_init.PATCH, worker_wrapper_init_device.PATCH])
-RUNNER = PatchSet("vllm-runner", [
+ENTRY = PatchSet("entry", [vllm_config_post_init.PATCH, worker_wrapper_init_device.PATCH],
+                 when="`register()`, in every process that loads plugins; pass-throughs unless "
+                      "`additional_config` has a `\"bcg\"` key")
+RUNNER = PatchSet("runner", [
     v2_cudagraph_manager_dispatch.PATCH,
     v2_cudagraph_manager_needs_capture.PATCH,
     v2_model_cudagraph_manager_capture.PATCH,
@@ -42,7 +49,9 @@ RUNNER = PatchSet("vllm-runner", [
     v1_gpu_model_runner_model_forward.PATCH,
     v1_gpu_model_runner_dummy_run.PATCH,
     unified_attention_with_output.PATCH,
-])
+], when="a worker whose config enables bcg, from the `init_device` patch, before its model runner is built")
+SETS = (ENTRY, RUNNER)
 ALL = [*ENTRY.patches, *RUNNER.patches]
+SUPPORTED = supported_versions(ALL)
 
-__all__ = ["ALL", "ENTRY", "RUNNER", "SUPPORTED_VLLM", "Patch", "PatchSet", "PatchTargetError"]
+__all__ = ["ALL", "ENTRY", "HOST", "Kernel", "RUNNER", "SETS", "SUPPORTED"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
 def make(original):
@@ -42,11 +42,13 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.cudagraph_dispatcher",
-    qualname="CudagraphDispatcher.dispatch",
-    params=["self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras", "valid_modes",
-            "invalid_modes"],
+    target="vllm.v1.cudagraph_dispatcher.CudagraphDispatcher.dispatch",
+    how=Wrap(params=["self", "num_tokens", "uniform_decode", "has_lora", "num_active_loras", "valid_modes",
+            "invalid_modes"]),
     make=make,
-    reason="route prefill/mixed batches to bcg buckets through V1's dispatch and DP coordination",
+    reason="V1: same as the V2 dispatch; answers the DP re-dispatch (`valid_modes={PIECEWISE}`) with "
+           "vLLM's size so its assert holds",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM dispatches mixed batches to an external prefill-graph runner",
 )

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
-def make(original):
+def make(original, *, capture_v1):
     @functools.wraps(original)
     def capture_model(self, *args, **kwargs):
-        from bcg_plugin.adapters.vllm.plugin import capture_v1
-
         graphs = capture_v1(self)
         self._bcg_graphs = graphs
         self.cudagraph_dispatcher._bcg_graphs = graphs
@@ -33,11 +31,12 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner.capture_model",
-    params=["self"],
+    target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.capture_model",
+    how=Wrap(params=["self"]),
     make=make,
-    reason="capture bcg's prefill buckets (dummy batches from _dummy_run) before vLLM's own graphs, "
-           "and add their device memory to the graph memory vLLM reports",
+    reason="V1: capture bcg's buckets (dummy batches from `_dummy_run`) before vLLM's graphs and its "
+           "workspace lock, and add their device memory to the graph memory vLLM reports",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM exposes a capture hook for external graph runners",
 )

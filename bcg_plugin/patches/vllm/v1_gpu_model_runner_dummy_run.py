@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 PARAMS = ["self", "num_tokens", "cudagraph_runtime_mode", "force_attention", "uniform_decode",
           "allow_microbatching", "skip_eplb", "is_profile", "create_mixed_batch", "remove_lora",
@@ -57,10 +57,14 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner._dummy_run",
-    params=PARAMS,
+    target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_run",
+    how=Wrap(params=PARAMS),
     make=make,
-    reason="an idle DP rank's padded dummy forward replays the bucket its peers replay, instead of running eagerly",
-    remove_when="vLLM's _dummy_run calls _model_forward (or another hook external graph runners can reach)",
+    reason="V1: bcg's capture builds its dummy batches with it (`profile_seq_lens` capped at "
+           "`max_model_len`, which the block table's rows hold); an idle DP rank's padded dummy forward "
+           "(which calls `self.model` directly) replays the bucket its peers replay instead of running "
+           "eagerly",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
+    remove_when="`_dummy_run` calls `_model_forward` or another hook external graph runners reach",
 )

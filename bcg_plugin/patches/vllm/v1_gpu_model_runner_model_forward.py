@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
 def make(original):
@@ -31,10 +31,11 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner._model_forward",
-    params=["self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"],
+    target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._model_forward",
+    how=Wrap(params=["self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"]),
     make=make,
-    reason="replay bcg's segmented graph for PIECEWISE-dispatched steps in the V1 runner",
+    reason="V1: replay the dispatched bucket for `PIECEWISE` steps",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM exposes a forward hook for external graph runners",
 )

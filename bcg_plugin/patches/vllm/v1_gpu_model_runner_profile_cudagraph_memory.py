@@ -13,27 +13,28 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
-def make(original):
+def make(original, *, estimate_v1):
     @functools.wraps(original)
     def profile_cudagraph_memory(self, *args, **kwargs):
-        from bcg_plugin.adapters.vllm.plugin import estimate_v1
-
         return original(self, *args, **kwargs) + estimate_v1(self)
 
     return profile_cudagraph_memory
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu_model_runner",
-    qualname="GPUModelRunner.profile_cudagraph_memory",
-    params=["self"],
+    target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.profile_cudagraph_memory",
+    how=Wrap(params=["self"],
+             uses={"vllm.v1.worker.gpu_model_runner.GPUModelRunner._init_minimal_kv_cache_for_profiling": ["self"],
+                       "vllm.v1.worker.gpu_model_runner.GPUModelRunner._cleanup_profiling_kv_cache": ["self"]}),
     make=make,
-    reason="add bcg's estimated graph memory (its two largest buckets captured on a minimal KV cache and "
-           "released) to the estimate V1 takes out of the KV-cache budget",
+    reason="V1: add bcg's graph memory, estimated like vLLM's own (its two largest buckets captured on a "
+           "minimal KV cache, released, extrapolated to the ladder), to the estimate the worker takes "
+           "out of the KV-cache budget; without it bcg's graphs come on top of "
+           "`--gpu-memory-utilization`",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM lets external graph runners report their memory before the KV cache is sized",
-    uses={"GPUModelRunner._init_minimal_kv_cache_for_profiling": ["self"],
-          "GPUModelRunner._cleanup_profiling_kv_cache": ["self"]},
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
 def make(original):
@@ -31,10 +31,12 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu.cudagraph_utils",
-    qualname="CudaGraphManager.dispatch",
-    params=["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"],
+    target="vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.dispatch",
+    how=Wrap(params=["self", "num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"]),
     make=make,
-    reason="route prefill/mixed batches to bcg buckets through vLLM's dispatch and DP sync",
+    reason="V2: batches vLLM would run eagerly get `PIECEWISE` at the bcg bucket (no request padding); "
+           "vLLM's DP sync calls the same method with the synced count",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM dispatches mixed batches to an external prefill-graph runner",
 )

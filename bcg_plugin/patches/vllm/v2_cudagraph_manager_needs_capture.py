@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
-def make(original):
+def make(original, *, runs_bcg):
     @functools.wraps(original)
     def needs_capture(self):
         if original(self):
             return True
-        from bcg_plugin.adapters.vllm.plugin import runs_bcg
         from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
         return isinstance(self, ModelCudaGraphManager) and runs_bcg(self.vllm_config)
@@ -24,10 +23,12 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu.cudagraph_utils",
-    qualname="CudaGraphManager.needs_capture",
-    params=["self"],
+    target="vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.needs_capture",
+    how=Wrap(params=["self"]),
     make=make,
-    reason="run the capture step for bcg's buckets when vLLM has no graphs of its own",
+    reason="V2: run the capture step for bcg's buckets when vLLM has no graphs of its own "
+           "(`cudagraph_mode=NONE`)",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM exposes a capture hook for external graph runners",
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
 def make(original):
@@ -23,10 +23,11 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu.cudagraph_utils",
-    qualname="CudaGraphManager.run_pw_graph",
-    params=["self", "model", "model_inputs"],
+    target="vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.run_pw_graph",
+    how=Wrap(params=["self", "model", "model_inputs"]),
     make=make,
-    reason="replay bcg's segmented graph for PIECEWISE-dispatched steps",
+    reason="V2: replay the dispatched bucket inside the live forward context",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM exposes a forward hook for external graph runners",
 )

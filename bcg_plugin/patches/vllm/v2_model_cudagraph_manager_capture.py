@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
-def make(original):
+def make(original, *, capture_v2):
     @functools.wraps(original)
     def capture(self, model, model_state, input_buffers, intermediate_tensors, block_tables, attn_groups,
                 kv_cache_config, *args, **kwargs):
-        from bcg_plugin.adapters.vllm.plugin import capture_v2
-
         self._bcg_graphs = capture_v2(self, model, model_state, input_buffers, block_tables, attn_groups,
                                       kv_cache_config)
         return original(self, model, model_state, input_buffers, intermediate_tensors, block_tables,
@@ -27,12 +25,14 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.gpu.cudagraph_utils",
-    qualname="ModelCudaGraphManager.capture",
-    params=["self", "model", "model_state", "input_buffers", "intermediate_tensors", "block_tables",
+    target="vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager.capture",
+    how=Wrap(params=["self", "model", "model_state", "input_buffers", "intermediate_tensors", "block_tables",
             "attn_groups", "kv_cache_config", "has_lora", "use_aux_hidden_state_outputs",
-            "lora_capture_hook", "progress_bar_desc"],
+            "lora_capture_hook", "progress_bar_desc"]),
     make=make,
-    reason="capture bcg's prefill buckets with the runner's own dummy-batch helpers",
+    reason="V2: capture bcg's buckets (dummy batches from the runner's own helpers) before vLLM's FULL "
+           "decode graphs",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM exposes a capture hook for external graph runners",
 )

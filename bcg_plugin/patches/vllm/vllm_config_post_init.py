@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
-def make(original):
+def make(original, *, configure_engine):
     @functools.wraps(original)
     def __post_init__(self, *args, **kwargs):
-        from bcg_plugin.adapters.vllm.launch import configure_engine
-
         configure_engine(self)
         return original(self, *args, **kwargs)
 
@@ -24,12 +22,14 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.config.vllm",
-    qualname="VllmConfig.__post_init__",
-    params=["self"],
+    target="vllm.config.vllm.VllmConfig.__post_init__",
+    how=Wrap(params=["self"]),
     make=make,
-    reason="validate additional_config['bcg'] at engine start; keep FULL decode graphs (and turn "
-           "torch.compile off with torch_compile false) when bcg is enabled, before optimisation-level "
-           "defaults apply",
+    reason="validate `additional_config['bcg']` at engine start (errors name the key); when enabled set "
+           "`cudagraph_mode=FULL_DECODE_ONLY` (kept `NONE` if the user chose it), and "
+           '`compilation_config.mode=NONE` only with `"torch_compile": false` (by default the mode stays '
+           "as vLLM sets it), before optimisation-level defaults apply; log unsupported setups once",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="vLLM lets a general plugin adjust the config before defaults (a config hook)",
 )

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import functools
 
-from bcg_plugin.patches.vllm._patch import Patch
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
-def make(original):
+def make(original, *, arm_runner_patches):
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
-        from bcg_plugin.adapters.vllm.plugin import arm_runner_patches
-
         if self.vllm_config is not None:
             arm_runner_patches(self.vllm_config)
         return original(self, *args, **kwargs)
@@ -25,10 +23,12 @@ def make(original):
 
 
 PATCH = Patch(
-    module="vllm.v1.worker.worker_base",
-    qualname="WorkerWrapperBase.init_device",
-    params=["self"],
+    target="vllm.v1.worker.worker_base.WorkerWrapperBase.init_device",
+    how=Wrap(params=["self"]),
     make=make,
-    reason="install the runner patches lazily, only in workers whose config enables bcg",
+    reason="first call in a worker that has the config and precedes the model runner: install the runner "
+           "set there only, in workers whose config enables bcg",
+    hosts="==0.26.0",
+    upstream=NOT_FILED,
     remove_when="the runner patches move upstream, or vLLM passes the config to general plugins",
 )

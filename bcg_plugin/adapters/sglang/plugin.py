@@ -1,0 +1,130 @@
+"""The SGLang adapter's process state: which patch sets are in, and what the patches call.
+
+``register()`` (the ``sglang.srt.plugins`` entry point) runs in the launching process and in every
+scheduler, before SGLang builds ``ServerArgs`` or a model runner. It checks the SGLang version and
+installs the patch sets (:mod:`bcg_plugin.patches.sglang`): the launch set everywhere, the runtime
+set where ``BCG_ENABLE`` is on. Where bcg cannot run (an unsupported SGLang, a target that changed)
+it warns once and installs the launch set alone, so the ``bcg`` flag value still parses and means
+SGLang's default prefill backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from bcg_plugin import BcgConfigError
+from bcg_plugin.adapters.sglang import config, launch, version
+
+logger = logging.getLogger("bcg_plugin.sglang")
+
+
+class _State:
+    """What this process installed.
+
+    Attributes:
+        registered: ``register()`` ran (it is re-entrant: later calls do nothing).
+        mode: ``None`` (nothing installed), ``"off"`` (the launch set alone: bcg cannot run here)
+            or ``"on"`` (the sets this process's config asks for, in force).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.registered = False
+        self.mode: str | None = None
+
+
+STATE = _State()
+
+
+def is_active() -> bool:
+    """Whether bcg's patches for this process's configuration are installed and in force."""
+    return STATE.mode == "on"
+
+
+def _patch_set(runtime: bool) -> list:
+    from bcg_plugin.patches.sglang import LAUNCH, RUNTIME
+
+    patches = [*LAUNCH.patches]
+    if runtime:
+        patches += RUNTIME.patches
+    if os.environ.get(config.BENCH_RECORD_ENV):
+        from bcg_bench import sglang_capture_probe as bench_capture_probe, sglang_forward_timer as bench_forward_timer
+
+        patches += [bench_capture_probe.PATCH, bench_forward_timer.PATCH]
+    return patches
+
+
+def calls() -> dict[str, Any]:
+    """What the patches call in the adapter, by the names their ``make`` takes."""
+    from bcg_plugin.adapters.sglang import attention, replay
+
+    return {
+        "flag_value": config.FLAG_VALUE,
+        "translate_server_args": translate_server_args,
+        "prefill_runner_factory": replay.prefill_runner_factory,
+        "capturing": attention.capturing,
+        "attention_break": attention.captured_then_break,
+        "refuse": attention.refuse,
+    }
+
+
+def translate_server_args(args: Any) -> None:
+    """What the ``ServerArgs.__post_init__`` patch does with the flag: bcg's switch where bcg runs,
+    SGLang's default prefill backend where the plugin is off."""
+    if is_active():
+        launch.translate_server_args(args)
+    else:
+        launch.sglang_default(args)
+
+
+def register() -> None:
+    """SGLang plugin entry point: zero-argument, re-entrant, inert unless bcg is enabled.
+
+    Any problem (unsupported SGLang, a missing or changed target, a hook SGLang did not install)
+    gives one warning and leaves bcg off; SGLang runs its own prefill backend.
+    """
+    from bcg_plugin.patches import PatchSet, PatchTargetError
+
+    with STATE.lock:
+        if STATE.registered:
+            return
+        STATE.registered = True
+        problem = version.problem()
+        if problem is not None:
+            logger.warning("bcg-plugin: %s; the plugin is off and SGLang runs its own prefill backend, also "
+                           "where --cuda-graph-backend-prefill %s asks for bcg", problem, config.FLAG_VALUE)
+            _install_launch_set_only()
+            return
+        try:
+            cfg = config.read_config()
+        except BcgConfigError:
+            # SGLang only logs exceptions raised here; the launch-side patch raises it again while
+            # ServerArgs is built, which stops the launch with the key named.
+            cfg = None
+        runtime = cfg is not None and cfg.active
+        try:
+            PatchSet("sglang", _patch_set(runtime=runtime)).apply(calls())
+        except PatchTargetError as e:
+            logger.warning("bcg-plugin: cannot patch sglang %s (%s); the plugin is off and SGLang's own prefill "
+                           "runner is used", version.installed(), e)
+            _install_launch_set_only()
+            return
+        STATE.mode = "on"
+        if runtime:
+            logger.info("bcg-plugin: prefill CUDA graphs active (%s)", cfg.to_dict())
+
+
+def _install_launch_set_only() -> None:
+    from bcg_plugin.patches import PatchTargetError
+    from bcg_plugin.patches.sglang import LAUNCH
+
+    try:
+        LAUNCH.apply(calls())
+    except PatchTargetError as e:
+        # The warning already said the plugin is off; SGLang then rejects the flag value itself.
+        logger.debug("bcg-plugin: the launch patches do not fit this SGLang either (%s)", e)
+        return
+    STATE.mode = "off"

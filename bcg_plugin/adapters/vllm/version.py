@@ -1,0 +1,21 @@
+"""The version gate: the vLLM versions bcg-plugin patches, derived from its patch descriptors."""
+
+from __future__ import annotations
+
+from bcg_plugin.doctor import installed_version
+from bcg_plugin.patches.vllm import HOST, SUPPORTED
+from bcg_plugin.versions import format_range, version_problem
+
+
+def installed() -> str | None:
+    """The installed vLLM version, or ``None`` when vLLM is not installed."""
+    return installed_version(HOST)
+
+
+def supported() -> str:
+    return format_range(SUPPORTED)
+
+
+def problem() -> str | None:
+    """Why the installed vLLM is not patched, or ``None`` if it is supported."""
+    return version_problem(HOST, SUPPORTED, installed())

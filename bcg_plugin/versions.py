@@ -1,0 +1,33 @@
+"""The host version gate every adapter applies before it patches anything."""
+
+from __future__ import annotations
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+
+def format_range(supported: SpecifierSet | str) -> str:
+    """``supported`` with its lower bounds first (``>=0.5.17,<0.5.18``), as people write ranges."""
+    spec = SpecifierSet(str(supported))
+
+    def order(s):
+        try:
+            return (Version(s.version.rstrip(".*")), s.operator.startswith("<"))
+        except InvalidVersion:
+            return (Version("0"), False)
+
+    return ",".join(str(s) for s in sorted(spec, key=order))
+
+
+def version_problem(host: str, supported: SpecifierSet | str, found: str | None) -> str | None:
+    """Why ``host`` at version ``found`` (``None``: not installed) is not patched, or ``None`` when
+    ``supported`` contains it."""
+    if found is None:
+        return f"{host} is not installed"
+    try:
+        parsed = Version(found)
+    except InvalidVersion:
+        return f"{host} version {found!r} is not a valid version"
+    if parsed not in SpecifierSet(str(supported)):
+        return f"{host} {found} is outside the range bcg-plugin supports ({format_range(supported)})"
+    return None

@@ -1,0 +1,85 @@
+"""The rules both adapters apply, held once in the runtime: version gate, top bucket, padding, first rank,
+and the fault seam the negative controls go through."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from bcg_plugin import BcgConfigError, faults
+from bcg_plugin.dist import first_rank
+from bcg_plugin.ladder import ladder_top, ladder_top_note, padding_allows
+from bcg_plugin.versions import format_range, version_problem
+
+
+@pytest.mark.parametrize("found, problem", [
+    ("0.5.17", None), ("0.5.17.post1", None), ("0.5.17+cu129", None),
+    ("0.5.18", "sglang 0.5.18 is outside the range bcg-plugin supports (>=0.5.17,<0.5.18)"),
+    ("0.5.18rc1", "outside the range"), ("0.5.16", "outside the range"),
+    ("soon", "sglang version 'soon' is not a valid version"), (None, "sglang is not installed"),
+])
+def test_one_version_gate_for_every_host(found, problem):
+    got = version_problem("sglang", "<0.5.18,>=0.5.17", found)
+    assert got is None if problem is None else problem in got
+
+
+def test_ranges_read_lower_bound_first():
+    assert format_range("<0.5.18,>=0.5.17") == ">=0.5.17,<0.5.18" and format_range("==0.26.0") == "==0.26.0"
+
+
+@pytest.mark.parametrize("chunk, requests, context, top", [
+    (8192, 2, 1024, 2048), (16384, 64, 8704, 16384), (2048, 256, 8192, 2048), (8192, 1, 8192, 8192),
+])
+def test_the_top_bucket_is_what_one_step_can_schedule(chunk, requests, context, top):
+    assert ladder_top(chunk, requests, context) == top
+    note = ladder_top_note(chunk, requests, context, ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
+    if top == chunk:
+        assert note is None
+    else:
+        assert note == (f"bcg: prefill graphs up to {top} tokens, what {requests} requests (max_num_seqs) of "
+                        f"{context} tokens (max_model_len) hold; max_num_batched_tokens ({chunk}) is more than a "
+                        "step can schedule")
+
+
+def test_padding_ratio_bounds_the_bucket_a_batch_replays_in():
+    assert padding_allows(64, 40, None) and padding_allows(64, 40, 1.6) and not padding_allows(64, 40, 1.5)
+
+
+def test_the_first_rank_logs_for_its_group():
+    assert first_rank(lambda: 0) and not first_rank(lambda: 1)
+    assert first_rank(lambda: None)  # no group: a group of one
+
+    def no_group():
+        raise AssertionError("tensor model parallel group is not initialized")
+
+    assert first_rank(no_group)
+
+
+@pytest.fixture
+def fresh_faults(monkeypatch):
+    monkeypatch.setattr(faults, "_manager", None)
+    yield
+    monkeypatch.setattr(faults, "_manager", None)
+
+
+def test_without_a_fault_plugin_replays_read_the_live_metadata(fresh_faults, monkeypatch):
+    monkeypatch.delenv(faults.FAULTS_ENV, raising=False)
+    assert not faults.active() and faults.replay_metadata("vllm", 64, live="live", earlier="old") == "live"
+
+
+def test_the_fault_module_named_in_the_environment_picks_the_metadata(fresh_faults, monkeypatch):
+    plugin = types.ModuleType("bcg_test_fault_plugin")
+    plugin.bcg_replay_metadata = faults.hookimpl(lambda earlier: earlier)
+    monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+    monkeypatch.setenv(faults.FAULTS_ENV, plugin.__name__)
+    assert faults.active()
+    assert faults.replay_metadata("sglang", 64, live="live", earlier="old") == "old"
+    assert faults.replay_metadata("sglang", 64, live="live", earlier=None) == "live"  # nothing in bounds to offer
+
+
+def test_a_fault_module_that_does_not_import_is_named(fresh_faults, monkeypatch):
+    monkeypatch.setenv(faults.FAULTS_ENV, "bcg_no_such_fault_plugin")
+    with pytest.raises(BcgConfigError, match="BCG_TEST_FAULTS='bcg_no_such_fault_plugin': cannot import"):
+        faults.active()
