@@ -55,6 +55,8 @@ class _FakeEngine:
         self.mode = mode
         self.compilation = {"cudagraph_mode": "FULL_DECODE_ONLY" if mode == "forced" else "FULL_AND_PIECEWISE",
                             "additional_config": {"bcg": {}} if mode == "bcg" else {}}
+        self.ready = {"ready": True, "compilation": self.compilation,
+                      **({"bcg_runner_patches_applied": False} if mode == "bcg" else {})}
 
     def measure(self, n, reps, warmup):
         _FakeEngine.calls.append((self.mode, n))
@@ -71,7 +73,9 @@ def test_the_driver_interleaves_engines_pairs_ratios_and_flags_the_control():
     assert result["ratio_to_plain"]["bcg"] == {"16": pytest.approx(1.02), "512": pytest.approx(1.02)}
     assert result["ratio_to_plain"]["forced"]["16"] == pytest.approx(1.3)
     assert result["verdict"]["bcg_as_fast_as_plain"] and result["verdict"]["control_detected"]
+    assert result["verdict"]["bcg_same_compilation_as_plain"]
     assert result["same_compilation_as_plain"] == {"bcg": True, "forced": False}
+    assert result["bcg_runner_patches_applied"] is False
     assert len(result["round_medians_ms"]) == 3
     first_per_round = [_FakeEngine.calls[i * 6][0] for i in range(3)]
     assert first_per_round == ["plain", "bcg", "forced"]  # the order rotates each round
