@@ -67,8 +67,8 @@ def _doctor(argv: list[str]) -> int:
     from bcg_plugin import doctor
 
     ap = argparse.ArgumentParser(prog="bcg doctor", description="Check hosts, patch targets, GPU and configuration.")
-    ap.add_argument("--config", default=None, help="the JSON given to the engine (vLLM additional_config['bcg']); "
-                    "default: the BCG_* environment")
+    ap.add_argument("--config", default=None, help="the JSON given to vLLM as additional_config['bcg'] (default: none); "
+                    "SGLang reads the BCG_* environment, which doctor checks for it")
     ap.add_argument("--engine", action="append", choices=sorted(doctor.HOST_ENTRY_POINTS),
                     help="check only this host (repeatable); default: all")
     a = ap.parse_args(argv)

@@ -2,23 +2,56 @@
 
 Adapters are found through the same entry points the hosts load plugins from (``bcg`` in
 ``vllm.general_plugins`` and ``sglang.srt.plugins``), so a broken installation shows here exactly
-as the engine would see it. Each adapter module provides ``diagnose() -> AdapterReport``. Works
-without a GPU; exits non-zero when something is incompatible.
+as the engine would see it. Each adapter module provides ``diagnose() -> AdapterReport``, whose
+``check_config`` runs the validation that adapter runs at engine start on what doctor was given
+(``--config`` JSON and the ``BCG_*`` environment), reading only what that engine reads and naming
+every key it ignores. Works without a GPU; exits non-zero when something is incompatible or a
+configuration would fail an engine's start.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import json
+import os
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from bcg_plugin.config import BcgConfig
-from bcg_plugin.errors import BcgConfigError
+from bcg_plugin.config import ENV_PREFIX, BcgConfig
 
 HOST_ENTRY_POINTS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
+
+
+@dataclasses.dataclass
+class ConfigCheck:
+    """What one engine makes, at its start, of the configuration doctor was given.
+
+    Attributes:
+        source: where that engine reads bcg's configuration from.
+        config: the validated configuration, or ``None`` when the engine would refuse to start.
+        error: the engine's own error message when it would refuse.
+        ignored: every key given to doctor that the engine does not read, each with what it reads instead.
+    """
+
+    source: str
+    config: BcgConfig | None = None
+    error: str | None = None
+    ignored: list[str] = dataclasses.field(default_factory=list)
+
+
+def config_env_names() -> set[str]:
+    """The ``BCG_*`` variables :meth:`BcgConfig.from_env` reads."""
+    return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BcgConfig)}
+
+
+def unknown_env_key(name: str, known: set[str]) -> str:
+    """``name`` as an ignored key, with the known name it is likely a misspelling of."""
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f"{name} (no such variable is read" + (f"; did you mean {close[0]}?)" if close else ")")
 
 
 @dataclasses.dataclass
@@ -33,6 +66,10 @@ class AdapterReport:
         problems: why the adapter would stay off (version, missing or changed targets).
         enable_hint: how a user switches bcg on for this host.
         notes: advice that does not stop the plugin (e.g. what telemetry needs).
+        check_config: ``check_config(raw, environ) -> ConfigCheck``: the adapter's engine-start
+            validation of ``raw`` (the parsed ``--config`` JSON, ``None`` if not given) and ``environ``.
+        replay_scope: what the adapter replays when the configuration enables bcg (eligibility the
+            configuration alone cannot settle), said after the top bucket.
     """
 
     engine: str
@@ -42,6 +79,8 @@ class AdapterReport:
     problems: list[str] = dataclasses.field(default_factory=list)
     enable_hint: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)
+    check_config: Callable[[Any, Mapping[str, str]], ConfigCheck] | None = None
+    replay_scope: str = ""
 
     @property
     def installed(self) -> bool:
@@ -83,8 +122,12 @@ def gpu_report() -> dict[str, Any]:
     return info
 
 
-def run(config_json: str | None, engines: list[str], out=sys.stdout) -> int:
+_INVALID = object()  # --config that is not JSON: no engine gets to read it
+
+
+def run(config_json: str | None, engines: list[str], out=sys.stdout, environ: Mapping[str, str] | None = None) -> int:
     ok = True
+    env = os.environ if environ is None else environ
 
     def say(line: str = "") -> None:
         print(line, file=out)
@@ -93,16 +136,13 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout) -> int:
     say(f"torch {gpu['torch']} (CUDA build {gpu['cuda_build']}), breakable-cuda-graphs {gpu['breakable-cuda-graphs']}")
     say(f"GPU: {gpu.get('gpu', 'none visible')}" + (f" (sm {gpu['capability']})" if "capability" in gpu else ""))
 
-    try:
-        if config_json is not None:
-            config = BcgConfig.from_json(config_json, source="--config")
-        else:
-            config = BcgConfig.from_env(None) or BcgConfig()
-        source = "--config" if config_json is not None else "BCG_* environment"
-        say(f"configuration ({source}): {json.dumps(config.to_dict())}")
-    except BcgConfigError as e:
-        say(f"configuration: INVALID: {e}")
-        config, ok = None, False
+    raw: Any = None
+    if config_json is not None:
+        try:
+            raw = json.loads(config_json)
+        except json.JSONDecodeError as e:
+            say(f"configuration (--config): INVALID: not valid JSON ({e.msg} at column {e.colno}): {config_json!r}")
+            raw, ok = _INVALID, False
 
     any_host = False
     for engine in engines:
@@ -120,17 +160,31 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout) -> int:
             say(f"  problem: {problem}")
         for note in report.notes:
             say(f"  note: {note}")
+        check = None
+        if raw is not _INVALID and report.check_config is not None:
+            check = report.check_config(raw, env)
+            if check.config is not None:
+                say(f"  configuration ({check.source}): {json.dumps(check.config.to_dict())}")
+            else:
+                say(f"  configuration ({check.source}): INVALID: {check.error}")
+            for key in check.ignored:
+                say(f"  ignored: {key}")
+        config = check.config if check is not None else None
         if not report.compatible:
             ok = False
             say(f"  -> the plugin stays off in {engine}; the engine runs unpatched")
+        elif raw is _INVALID or (check is not None and config is None):
+            ok = False
+            say("  -> the engine refuses to start until the configuration is fixed")
         elif config is None:
-            say(f"  -> the engine refuses to start until the configuration is fixed")
+            say("  -> the configuration is not checked: this adapter has no check")
         elif not config.active:
             say(f"  -> the plugin is installed but off; enable it with {report.enable_hint}")
         else:
             top = (f"{config.max_tokens} tokens" if config.max_tokens is not None
                    else "the engine's chunk size (or the most tokens one step can hold, if less)")
-            say(f"  -> prefill/extend forwards up to {top} replay bcg graphs")
+            say(f"  -> prefill/extend forwards up to {top} replay bcg graphs" + (
+                f" ({report.replay_scope})" if report.replay_scope else ""))
     if not any_host:
         say()
         say("no supported host engine (vLLM, SGLang) is installed: the plugin has nothing to do")

@@ -71,3 +71,75 @@ def test_vllm_report_names_the_defaults_vllm_sets_under_the_users_keys():
     out = io.StringIO()
     doctor.run(json.dumps({"enable": True}), ["vllm"], out=out)
     assert 'note: vLLM\'s defaults under the keys you set: {"warmup": "first_bucket", "torch_compile": true}' in out.getvalue()
+
+
+# -- each engine's configuration, checked by that engine's own start-up validation ----------------
+
+
+def _run_env(environ, config=None, engines=("vllm",)):
+    out = io.StringIO()
+    rc = doctor.run(config, list(engines), out=out, environ=environ)
+    return rc, out.getvalue()
+
+
+def _section(text, engine):
+    """The lines doctor prints for ``engine``."""
+    block = text.split(f"\n{engine} ", 1)[1]
+    return block.split("\n\n", 1)[0]
+
+
+def test_vllm_reads_no_bcg_variable_so_the_environment_enables_nothing_there():
+    pytest.importorskip("vllm")
+    rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKENS": "4096", "PATH": "/bin"})
+    vllm = _section(text, "vllm")
+    assert rc == 0 and "replay bcg graphs" not in vllm and "installed but off" in vllm
+    assert "ignored: BCG_ENABLE (vLLM reads only additional_config['bcg']: give \"enable\" in --config JSON)" in vllm
+    assert "ignored: BCG_MAX_TOKENS" in vllm and "PATH" not in vllm
+    # The same keys as --config JSON do enable it, with vLLM's defaults under them.
+    rc, text = _run_env({}, config='{"enable": true, "max_tokens": 4096}')
+    vllm = _section(text, "vllm")
+    assert rc == 0 and "up to 4096 tokens replay bcg graphs" in vllm and "ignored" not in vllm
+    assert '"warmup": "first_bucket", "torch_compile": true' in vllm
+
+
+@pytest.mark.parametrize("environ, key", [
+    ({"BCG_ENABLE": "1", "BCG_TORCH_COMPILE": "1"}, "'torch_compile' is supported with vLLM only"),
+    ({"BCG_ENABLE": "1", "BCG_STATS_INTERVAL_S": "abc"}, "'BCG_STATS_INTERVAL_S' must be a number of seconds"),
+])
+def test_sglang_configurations_its_start_refuses_are_invalid(environ, key):
+    pytest.importorskip("sglang")
+    rc, text = _run_env(environ, engines=["sglang"])
+    sglang = _section(text, "sglang")
+    assert rc == 1 and "INVALID" in sglang and key in sglang and "refuses to start" in sglang
+    assert "replay bcg graphs" not in sglang
+
+
+def test_sglang_names_misspelled_variables_and_json_it_cannot_be_given():
+    pytest.importorskip("sglang")
+    rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKEN": "512", "BCG_STATS_INTERVAL_S": "5"},
+                        config='{"max_tokens": 1024}', engines=["sglang"])
+    sglang = _section(text, "sglang")
+    assert "ignored: BCG_MAX_TOKEN (no such variable is read; did you mean BCG_MAX_TOKENS?)" in sglang
+    assert "ignored: --config key 'max_tokens' (SGLang reads the environment: BCG_MAX_TOKENS)" in sglang
+    assert "BCG_STATS_INTERVAL_S" not in sglang.split("configuration", 1)[1]  # a variable SGLang's adapter reads
+    # What SGLang runs: the environment's config, the top bucket its chunk, not the ignored 512 or 1024.
+    assert rc == 0 and "up to the engine's chunk size" in sglang
+
+
+@pytest.mark.parametrize("engine, module, function", [
+    ("vllm", "bcg_plugin.adapters.vllm.doctor", "validate"),
+    ("sglang", "bcg_plugin.adapters.sglang.config", "read_config"),
+])
+def test_doctor_runs_the_adapters_own_validation(monkeypatch, engine, module, function):
+    import importlib
+
+    from bcg_plugin.errors import BcgConfigError
+
+    pytest.importorskip(engine)
+
+    def refuse(*args, **kwargs):
+        raise BcgConfigError(f"{engine}'s own check refused it")
+
+    monkeypatch.setattr(importlib.import_module(module), function, refuse)
+    rc, text = _run_env({"BCG_ENABLE": "1"}, config='{"enable": true}', engines=[engine])
+    assert rc == 1 and f"INVALID: {engine}'s own check refused it" in text

@@ -205,12 +205,14 @@ def test_at_o0_bcg_captures_the_plain_model_whatever_torch_compile_says(model_co
     assert cfg.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(cfg)
 
 
-@pytest.mark.parametrize("user_mode, expected", [
-    (None, "FULL_DECODE_ONLY"), ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"), ("PIECEWISE", "FULL_DECODE_ONLY"),
-    ("NONE", "NONE"), ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY"),
+@pytest.mark.parametrize("user_mode, expected, runs", [
+    (None, "FULL_DECODE_ONLY", True), ("NONE", "NONE", True), ("FULL_DECODE_ONLY", "FULL_DECODE_ONLY", True),
+    # A mode the user set with graphs of vLLM's own for the batches bcg serves: kept, and bcg stays off.
+    ("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", False), ("PIECEWISE", "PIECEWISE", False), ("FULL", "FULL", False),
 ])
 @pytest.mark.parametrize("torch_compile", [False, True])
-def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected, torch_compile):
+def test_launch_flags_keep_decode_graphs_and_never_change_a_mode_the_user_set(model_config, user_mode, expected,
+                                                                               runs, torch_compile):
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
@@ -218,7 +220,8 @@ def test_launch_flags_keep_decode_graphs(model_config, user_mode, expected, torc
     cfg = types.SimpleNamespace(additional_config={"bcg": {"enable": True, "torch_compile": torch_compile}},
                                 compilation_config=cc, model_config=model_config)
     launch.configure_engine(cfg)
-    assert cc.mode == (None if torch_compile else CompilationMode.NONE)  # vLLM's default applies later
+    # vLLM's default compilation mode applies later; bcg sets NONE only where it runs without torch.compile.
+    assert cc.mode == (CompilationMode.NONE if runs and not torch_compile else None)
     assert cc.cudagraph_mode == CUDAGraphMode[expected]
 
 
@@ -286,16 +289,25 @@ def _nothing_patched() -> bool:
 
 
 def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog, model_config):
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    # As on a CUDA host, vLLM keeps a graph mode (on this CPU-only platform it turns graphs off last).
+    monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
     monkeypatch.setattr(version, "installed", lambda: "0.27.0")
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         plugin.register()
         plugin.register()
-        cfg = make_config(model_config, additional_config={"bcg": {"enable": True}})
+        # torch_compile false: the config that, acted on, changes both modes (NONE, FULL_DECODE_ONLY).
+        cfg = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
     records = bcg_records(caplog)
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     assert "0.27.0" in records[0].getMessage()
     assert _nothing_patched()
-    assert cfg.compilation_config.mode != 0  # the bcg config was not acted on
+    # The bcg config was not acted on: vLLM's own -O2 modes, as without the plugin.
+    cc = cfg.compilation_config
+    assert (cc.mode, cc.cudagraph_mode) == (CompilationMode.VLLM_COMPILE, CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert "bcg_launch" not in cfg.additional_config
 
 
 def test_changed_entry_target_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog):
@@ -515,7 +527,7 @@ def _graphs_with_bucket_64(capture_contexts: dict | None = None):
 
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._buckets = frozenset({64})
-    graphs._slot_mapping_probe = None
+    graphs._slot_mapping_probe = ()
     graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts=capture_contexts or {})
     return graphs
 

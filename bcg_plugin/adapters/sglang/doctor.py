@@ -1,8 +1,15 @@
-"""``bcg doctor`` for SGLang: the version and every patch target, checked without patching anything."""
+"""``bcg doctor`` for SGLang: the version and every patch target, checked without patching anything, and
+the configuration as engine start reads it (the ``BCG_*`` environment only)."""
 
 from __future__ import annotations
 
-from bcg_plugin.doctor import AdapterReport
+from collections.abc import Mapping
+from typing import Any
+
+from bcg_plugin.config import ENV_PREFIX
+from bcg_plugin.doctor import AdapterReport, ConfigCheck, config_env_names, unknown_env_key
+from bcg_plugin.errors import BcgConfigError
+from bcg_plugin.faults import FAULTS_ENV
 
 
 def diagnose() -> AdapterReport:
@@ -11,7 +18,8 @@ def diagnose() -> AdapterReport:
     from bcg_plugin.patches import PatchTargetError
 
     report = AdapterReport("sglang", version.installed(), version.supported(),
-                           enable_hint=f"--cuda-graph-backend-prefill {config.FLAG_VALUE} (or BCG_ENABLE=1)")
+                           enable_hint=f"--cuda-graph-backend-prefill {config.FLAG_VALUE} (or BCG_ENABLE=1)",
+                           check_config=check_config)
     if not report.installed:
         return report
     problem = version.problem()
@@ -26,3 +34,24 @@ def diagnose() -> AdapterReport:
             report.targets.append((patch.target, str(e)))
             report.problems.append(f"patch target changed: {e}")
     return report
+
+
+def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
+    """The environment validated as SGLang's start does (:func:`~bcg_plugin.adapters.sglang.config.read_config`,
+    the adapter's own keys included); ``--config`` JSON, which SGLang cannot be given, and ``BCG_*``
+    variables it does not read are named as ignored."""
+    from bcg_plugin.adapters.sglang import config as settings
+
+    known = config_env_names() | {settings.STATS_INTERVAL_ENV, FAULTS_ENV}
+    ignored = [unknown_env_key(name, known) for name in sorted(environ)
+               if name.startswith(ENV_PREFIX) and name not in known]
+    if isinstance(raw, dict):
+        ignored += [f"--config key {key!r} (SGLang reads the environment: {ENV_PREFIX}{str(key).upper()})"
+                    for key in raw]
+    elif raw is not None:
+        ignored.append("--config (SGLang reads BCG_* environment variables, not JSON)")
+    source = "the BCG_* environment"
+    try:
+        return ConfigCheck(source, config=settings.read_config(environ), ignored=ignored)
+    except BcgConfigError as e:
+        return ConfigCheck(source, error=str(e), ignored=ignored)

@@ -38,7 +38,11 @@ VLLM_DEFAULTS = {"warmup": "first_bucket", "torch_compile": True}
 def bcg_config(vllm_config: Any) -> BcgConfig:
     """The validated config (``VLLM_DEFAULTS`` under the user's keys); raises
     :class:`bcg_plugin.BcgConfigError` naming the bad key."""
-    raw = raw_bcg_config(vllm_config)
+    return validate(raw_bcg_config(vllm_config))
+
+
+def validate(raw: Any) -> BcgConfig:
+    """What engine start makes of ``raw`` as ``additional_config["bcg"]`` (also ``bcg doctor``'s check)."""
     if isinstance(raw, dict):
         raw = {**VLLM_DEFAULTS, **raw}
     return BcgConfig.from_mapping(raw, source=SOURCE)
@@ -103,15 +107,79 @@ def compile_problem(compilation_config: Any) -> str | None:
     return None
 
 
-def prefill_graphs_wanted(vllm_config: Any) -> bool:
-    """Enabled, not excluded, and the front-end put the launch flags in place (torch.compile off, or
-    vLLM's piecewise compilation with ``torch_compile``).
+def attention_backend_problem(vllm_config: Any) -> str | None:
+    """An attention backend the user chose (``--attention-backend``, ``attention_config``) that bcg
+    does not break at, or ``None``. vLLM 0.26 reads the backend from the config only (the
+    ``VLLM_ATTENTION_BACKEND`` variable is gone); automatic selection is seen by the workers alone."""
+    attention = getattr(vllm_config, "attention_config", None)
+    chosen = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
+    names = sorted({getattr(b, "name", str(b)) for b in chosen if b is not None} - set(SUPPORTED_BACKENDS))
+    if names:
+        return f"attention backend(s) {names} (supported: {', '.join(SUPPORTED_BACKENDS)})"
+    return None
 
-    The last condition keeps a worker from capturing around a compiled model when the config was
-    built in a process where the plugin was not loaded (e.g. filtered out by ``VLLM_PLUGINS``).
+
+# The CUDA graph modes bcg runs under: none of vLLM's own piecewise graphs, which would serve (and be
+# captured inside bcg's capture of) the same prefill batches. An unset mode is bcg's to choose.
+GRAPH_MODES_WITH_BCG = ("NONE", "FULL_DECODE_ONLY")
+
+
+def graph_mode_problem(compilation_config: Any) -> str | None:
+    """A ``cudagraph_mode`` (the user's, or vLLM's final one in a worker) bcg cannot run under, or ``None``."""
+    mode = getattr(compilation_config, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", mode) in GRAPH_MODES_WITH_BCG:
+        return None
+    return (f"cudagraph_mode={getattr(mode, 'name', mode)}, set explicitly: bcg runs only under "
+            f"{' or '.join(GRAPH_MODES_WITH_BCG)}; leave cudagraph_mode unset (bcg then sets FULL_DECODE_ONLY) to run bcg")
+
+
+def sequence_parallel_problem(vllm_config: Any, cfg: BcgConfig) -> str | None:
+    """Sequence parallelism under ``torch_compile``: vLLM then compiles the body as one graph, with no
+    split at attention for bcg to break at. ``None`` where that does not apply."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    passes = getattr(cc, "pass_config", None)
+    tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+    wants_sp = bool(getattr(passes, "enable_sp", False)) or bool(getattr(passes, "fuse_gemm_comms", False))
+    mode = getattr(getattr(cc, "mode", None), "name", getattr(cc, "mode", None))
+    compiles = mode == "VLLM_COMPILE" or (mode is None and int(getattr(vllm_config, "optimization_level", 2)) > 0)
+    if cfg.torch_compile and compiles and wants_sp and tp > 1 and not getattr(cc, "use_inductor_graph_partition", False):
+        return f"sequence parallelism with torch_compile (vLLM compiles the body whole, attention unsplit{OFF_HINT})"
+    return None
+
+
+def launch_problem(vllm_config: Any, cfg: BcgConfig) -> str | None:
+    """Why bcg will not run on this engine, from the config alone, or ``None``.
+
+    The front-end asks before it changes any launch flag, so an engine bcg declines keeps vLLM's own
+    compilation and graph modes; every worker asks again of the final config and gets the same answer
+    (bcg's own flags pass the graph-mode check). The graph mode comes last: a copy of a config bcg
+    declined (``dataclasses.replace``) carries vLLM's final mode, and the first reason is the one logged.
+    """
+    reason = unsupported_reason(vllm_config) or attention_backend_problem(vllm_config)
+    if reason is None and cfg.torch_compile:
+        cc = getattr(vllm_config, "compilation_config", None)
+        reason = (compile_problem(cc) if cc is not None else None) or sequence_parallel_problem(vllm_config, cfg)
+    return reason or graph_mode_problem(getattr(vllm_config, "compilation_config", None))
+
+
+def sequence_parallel_multiple(vllm_config: Any) -> int:
+    """What every step's token count is a multiple of: the TP size under sequence parallelism (V1 pads
+    each step to it and asserts the dispatched size is one), else 1."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    tp = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+    return tp if tp > 1 and bool(getattr(getattr(cc, "pass_config", None), "enable_sp", False)) else 1
+
+
+def prefill_graphs_wanted(vllm_config: Any) -> bool:
+    """Enabled, not declined (:func:`launch_problem`), and the front-end put the launch flags in place
+    (torch.compile off, or vLLM's piecewise compilation with ``torch_compile``).
+
+    The last two keep a worker from capturing around a compiled model or under vLLM's piecewise graphs
+    when the config was built in a process where the plugin was not loaded (e.g. filtered out by
+    ``VLLM_PLUGINS``).
     """
     cfg = bcg_config(vllm_config)
-    if not cfg.active or unsupported_reason(vllm_config) is not None:
+    if not cfg.active or launch_problem(vllm_config, cfg) is not None:
         return False
     from vllm.config.compilation import CompilationMode
 

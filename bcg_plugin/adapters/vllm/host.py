@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from bcg_plugin import HostBatch, StaticInput, default_capture_stream, hookimpl
+from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream, hookimpl
+from bcg_plugin.adapters.vllm.config import sequence_parallel_multiple
+from bcg_plugin.ladder import resolve_buckets
 
 
 class VllmHost:
@@ -79,6 +81,15 @@ class VllmHost:
                 self.stream = None
 
     @hookimpl
+    def bcg_prefill_buckets(self, config: BcgConfig) -> list[int] | None:
+        # Under sequence parallelism V1 pads every step to a multiple of the TP size and asserts the
+        # dispatched size is one: each bucket is rounded up to one (the top: down, within max_tokens).
+        multiple = sequence_parallel_multiple(self.vllm_config)
+        if multiple == 1:
+            return None
+        return buckets_multiple_of(resolve_buckets(config.max_tokens, config.sizes), multiple, config.max_tokens)
+
+    @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
         # Padded rows: token 0 (a real row of the embedding table), position 0.
         first = (StaticInput((), torch.int32, 0, self._persistent("input_ids", torch.int32)) if self.embeds_in_graph
@@ -125,6 +136,14 @@ class VllmHost:
     @hookimpl
     def bcg_capture_stream(self) -> torch.cuda.Stream | None:
         return self.stream
+
+
+def buckets_multiple_of(buckets: list[int], multiple: int, max_tokens: int) -> list[int]:
+    """``buckets`` each rounded up to a multiple of ``multiple``, those above ``max_tokens`` dropped for
+    the largest multiple within it (a step padded past it runs eagerly, as above any top bucket)."""
+    top = max_tokens - max_tokens % multiple
+    rounded = {min(-(-b // multiple) * multiple, top) for b in buckets}
+    return sorted(b for b in rounded if b > 0)
 
 
 class EagerEmbedding:

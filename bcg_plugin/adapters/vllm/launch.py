@@ -1,7 +1,11 @@
 """What ``additional_config={"bcg": {"enable": true}}`` changes in the engine config, and nothing else.
 
 Runs at the top of ``VllmConfig.__post_init__`` (in the front-end, where the config is built), so
-the launch flags bcg needs are in place before vLLM applies its optimisation-level defaults:
+the launch flags bcg needs are in place before vLLM applies its optimisation-level defaults. First it
+decides whether bcg can run at all (:func:`~bcg_plugin.adapters.vllm.config.launch_problem`: the
+model, the parallel layout, the attention backend the user chose, the compilation, the graph mode,
+and whether this vLLM's model runner takes bcg's patches). If not, it logs one warning and changes
+nothing: the engine compiles and captures exactly as it would without the plugin. If so:
 
 * the compilation mode stays as vLLM sets it (``torch_compile``, the vLLM default): at the default
   ``-O2`` that is ``VLLM_COMPILE``, whose piecewise compilation splits the body at attention and the
@@ -9,23 +13,34 @@ the launch flags bcg needs are in place before vLLM applies its optimisation-lev
   break. At ``-O0`` nothing is compiled and bcg captures the plain model. With
   ``"torch_compile": false`` the plugin sets ``compilation_config.mode = NONE`` (the same as ``-O0``)
   for a shorter start, without the compiler's fused kernels;
-* ``compilation_config.cudagraph_mode = FULL_DECODE_ONLY`` unless the user chose ``NONE``: vLLM keeps
-  its own FULL graphs for uniform decode batches, and every other batch is dispatched to bcg.
-  Modes with piecewise graphs would be downgraded to ``NONE`` by vLLM without torch.compile, which
-  would silently drop the decode graphs too.
+* ``cudagraph_mode``, the rule: bcg never changes a mode the user set. Unset, it becomes
+  ``FULL_DECODE_ONLY``: vLLM keeps its own FULL graphs for uniform decode batches, and every other
+  batch is dispatched to bcg (modes with piecewise graphs would be downgraded to ``NONE`` by vLLM
+  without torch.compile, dropping the decode graphs too, and with it their graphs would serve the
+  batches bcg captures). Set to ``NONE`` or ``FULL_DECODE_ONLY``, it is kept and bcg runs. Set to
+  any other mode (``PIECEWISE``, ``FULL``, ``FULL_AND_PIECEWISE``), it is kept and bcg stays off,
+  with one warning.
+
+A worker can still decline later, on what only a built model runner shows (an attention backend vLLM
+chose itself, KV-cache groups other than attention, a capture that fails with
+``capture_failure: "eager"``). The flags above are then in place for good: :func:`warn_declined`
+says once what the engine runs instead, and that a restart without bcg gets vLLM's own graphs back.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bcg_plugin.adapters.vllm.config import bcg_config, compile_problem, raw_bcg_config, unsupported_reason
+from bcg_plugin.adapters.vllm.config import bcg_config, launch_problem, raw_bcg_config
 from bcg_plugin.adapters.vllm.log import logger
 
 # Said where bcg turns torch.compile off: the compiler's fused kernels are what a GPU-bound prefill
 # loses (Qwen3's per-head q/k norm and rotary run as separate eager kernels).
 COMPILE_HINT = ('"torch_compile": false: a shorter start, without vLLM\'s compiled kernels, which are faster '
                 "where prefill is GPU-bound")
+# additional_config key under which the front-end leaves what it changed, for a worker that declines
+# later to say what a restart without bcg gives back (the config reaches every worker).
+LAUNCH_RECORD_KEY = "bcg_launch"
 
 _logged: set[str] = set()
 
@@ -39,33 +54,78 @@ def _log_once(level: str, msg: str, *args: Any) -> None:
 
 
 def configure_engine(vllm_config: Any) -> None:
-    """Validate the bcg config (errors name the key) and set the launch flags when bcg is on."""
+    """Validate the bcg config (errors name the key); set the launch flags only if bcg will run."""
     if raw_bcg_config(vllm_config) is None:
         return
     cfg = bcg_config(vllm_config)
     if not cfg.active:
         return
-    reason = unsupported_reason(vllm_config)
+    from bcg_plugin.adapters.vllm.plugin import runner_patch_problem
+
+    reason = runner_patch_problem() or launch_problem(vllm_config, cfg)
     if reason is not None:
-        _log_once("warning", "bcg: prefill graphs stay off for this engine: %s", reason)
+        _log_once("warning", "bcg: prefill graphs stay off for this engine: %s; vLLM's compilation and CUDA graph "
+                  "modes are left as configured", reason)
         return
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     cc = vllm_config.compilation_config
     changed = []
-    if cfg.torch_compile:
-        problem = compile_problem(cc)
-        if problem is not None:
-            _log_once("warning", "bcg: prefill graphs stay off for this engine: %s", problem)
-            return
-    elif cc.mode != CompilationMode.NONE:
-        changed.append(f"compilation mode {getattr(cc.mode, 'name', 'default')} -> NONE ({COMPILE_HINT})")
+    record: dict[str, list[str]] = {}
+    if not cfg.torch_compile and cc.mode != CompilationMode.NONE:
+        before = _name(cc.mode) or _default_name(vllm_config, "mode")
+        if before != "NONE":
+            changed.append(f"compilation mode {before or 'default'} -> NONE ({COMPILE_HINT})")
+            record["mode"] = [before or "default", "NONE"]
         cc.mode = CompilationMode.NONE
-    if cc.cudagraph_mode not in (CUDAGraphMode.NONE, CUDAGraphMode.FULL_DECODE_ONLY):
-        changed.append(f"cudagraph_mode {getattr(cc.cudagraph_mode, 'name', 'default')} -> FULL_DECODE_ONLY")
+    if cc.cudagraph_mode is None:
+        before = _default_name(vllm_config, "cudagraph_mode")
+        if before != "FULL_DECODE_ONLY":
+            changed.append(f"cudagraph_mode {before or 'default'} (vLLM's default) -> FULL_DECODE_ONLY")
+            record["cudagraph_mode"] = [before or "default", "FULL_DECODE_ONLY"]
         cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    if record:
+        vllm_config.additional_config = {**vllm_config.additional_config, LAUNCH_RECORD_KEY: record}
     _log_once(
         "info", "bcg: prefill graphs enabled (%s); %s", cfg.to_dict(),
         "; ".join(changed) if changed else "launch flags already as needed",
     )
 
+
+def warn_declined(vllm_config: Any, reason: str) -> None:
+    """One warning where a worker declines after the front-end set bcg's launch flags: why, what the
+    engine runs instead, and what a restart without bcg gives back."""
+    cc = getattr(vllm_config, "compilation_config", None)
+    graphs = _name(getattr(cc, "cudagraph_mode", None))
+    compiled = _name(getattr(cc, "mode", None)) not in (None, "NONE")
+    runs = "prefill and mixed batches run eagerly" + ("" if compiled else ", without torch.compile")
+    if graphs == "FULL_DECODE_ONLY":
+        runs += "; decode keeps vLLM's FULL graphs"
+    else:
+        runs += f"; decode runs under cudagraph_mode={graphs}" + (" (eagerly)" if graphs == "NONE" else "")
+    record = (getattr(vllm_config, "additional_config", None) or {}).get(LAUNCH_RECORD_KEY) or {}
+    back = []
+    if record.get("cudagraph_mode") and record["cudagraph_mode"][0] != "NONE":
+        back.append(f"{record['cudagraph_mode'][0]} graphs")
+    if record.get("mode"):
+        back.append("torch.compile")
+    restart = (f"; restart without bcg (no additional_config['bcg']) to get vLLM's {' and '.join(back)} back"
+               if back else "")
+    _log_once("warning", "bcg: prefill graphs are off in this engine: %s; %s%s", reason, runs, restart)
+
+
+def _name(mode: Any) -> str | None:
+    return None if mode is None else getattr(mode, "name", str(mode))
+
+
+def _default_name(vllm_config: Any, key: str) -> str | None:
+    """What vLLM's optimisation level will set ``compilation_config.<key>`` to (``None`` if unknown)."""
+    try:
+        from vllm.config.vllm import OPTIMIZATION_LEVEL_TO_CONFIG, OptimizationLevel
+
+        level = OptimizationLevel(int(getattr(vllm_config, "optimization_level", OptimizationLevel.O2)))
+        if key == "mode":
+            return "VLLM_COMPILE" if level > OptimizationLevel.O0 else "NONE"
+        return _name(OPTIMIZATION_LEVEL_TO_CONFIG[level]["compilation_config"].get(key))
+    except Exception:  # a vLLM internal: without it the log and the record say "default"
+        return None

@@ -18,13 +18,16 @@ from bcg_plugin.adapters.vllm.log import logger, route_core_logs
 
 
 class _State:
-    """What this process has done: registered, refused (and why), runner patches in or refused."""
+    """What this process has done: registered, refused (and why), runner patches in or refused, and
+    whether the runner patch set verifies here (checked once, in the front-end before any flag changes)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.registered = False
         self.disabled_reason: str | None = None
         self.runner_patches: bool | None = None  # None: not tried yet
+        self.runner_problem: str | None = None  # why the runner patch set does not verify here
+        self.runner_verified = False
 
 
 STATE = _State()
@@ -77,6 +80,22 @@ def _refusal() -> str | None:
     return None
 
 
+def runner_patch_problem() -> str | None:
+    """Why this vLLM's model runner cannot take bcg's patches, or ``None``; verified once per process,
+    patching nothing, so the front-end can decline before it changes any launch flag."""
+    from bcg_plugin.patches import PatchTargetError
+    from bcg_plugin.patches.vllm import RUNNER
+
+    with STATE.lock:
+        if not STATE.runner_verified:
+            try:
+                RUNNER.verify()
+            except PatchTargetError as e:
+                STATE.runner_problem = f"the vLLM model runner changed ({e})"
+            STATE.runner_verified = True
+        return STATE.runner_problem
+
+
 def runs_bcg(vllm_config: Any) -> bool:
     """Whether this process captures and replays bcg graphs for ``vllm_config``."""
     return bool(STATE.runner_patches) and prefill_graphs_wanted(vllm_config)
@@ -86,16 +105,18 @@ def arm_runner_patches(vllm_config: Any) -> bool:
     """Install the model-runner patch set once, if ``vllm_config`` enables bcg; False if it cannot."""
     if not prefill_graphs_wanted(vllm_config):
         return False
-    return apply_runner_patches()
+    return apply_runner_patches(vllm_config)
 
 
-def apply_runner_patches() -> bool:
-    """Install the model-runner patch set once in this process (one warning if it cannot)."""
+def apply_runner_patches(vllm_config: Any = None) -> bool:
+    """Install the model-runner patch set once in this process (one warning if it cannot: the one
+    that says what the engine of ``vllm_config`` runs instead, when given)."""
+    from bcg_plugin.patches import PatchTargetError
+    from bcg_plugin.patches.vllm import RUNNER
+
+    problem = None
     with STATE.lock:
         if STATE.runner_patches is None:
-            from bcg_plugin.patches import PatchTargetError
-            from bcg_plugin.patches.vllm import RUNNER
-
             route_core_logs()  # this worker runs the core: its capture summary belongs in vLLM's log
 
             try:
@@ -103,8 +124,16 @@ def apply_runner_patches() -> bool:
                 STATE.runner_patches = True
             except PatchTargetError as e:
                 STATE.runner_patches = False
-                logger.warning("bcg: prefill graphs are off: the vLLM model runner changed (%s)", e)
-        return STATE.runner_patches
+                problem = f"the vLLM model runner changed ({e})"
+        applied = STATE.runner_patches
+    if problem is not None:
+        if vllm_config is not None:
+            from bcg_plugin.adapters.vllm.launch import warn_declined
+
+            warn_declined(vllm_config, problem)
+        else:
+            logger.warning("bcg: prefill graphs are off: %s", problem)
+    return applied
 
 
 def unregister() -> None:
@@ -117,6 +146,8 @@ def unregister() -> None:
         STATE.registered = False
         STATE.disabled_reason = None
         STATE.runner_patches = None
+        STATE.runner_problem = None
+        STATE.runner_verified = False
 
 
 # -- called by the capture patches ---------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from bcg_plugin import Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.vllm.config import SUPPORTED_BACKENDS, bcg_config
 from bcg_plugin.adapters.vllm.host import VllmHost
+from bcg_plugin.adapters.vllm.launch import warn_declined
 from bcg_plugin.adapters.vllm.log import logger
 from bcg_plugin.adapters.vllm.metrics import METRICS_ENV, METRICS_NOTE, stats_reporter
 from bcg_plugin.dist import first_rank
@@ -75,7 +76,7 @@ class VllmPrefillGraphs:
             chunk_size=step_token_limit(vllm_config, log=self._reports), device=host.device,
         )
         self._buckets = frozenset()
-        self._slot_mapping_probe: tuple[str, int] | None = None
+        self._slot_mapping_probe: tuple[tuple[str, int], ...] = ()
         self.reporter = stats_reporter(self.runner.stats, reports=self._reports)
         if self._reports and METRICS_ENV not in os.environ:
             logger.info("bcg: %s", METRICS_NOTE)
@@ -92,7 +93,7 @@ class VllmPrefillGraphs:
         reason = runner_unsupported_reason(model, attn_groups, kv_cache_config)
         if reason is not None:
             if reports and _first_tp_rank():
-                logger.warning("bcg: prefill graphs stay off for this engine: %s is not supported", reason)
+                warn_declined(vllm_config, f"{reason} is not supported")
             return None
         return cls(host_factory(), vllm_config, reports=reports)
 
@@ -103,14 +104,11 @@ class VllmPrefillGraphs:
         with self.host.capturing():
             self.runner.capture(progress=self._reports)
         if not self.runner.captured:
+            if self.runner.buckets and self._reports:  # the capture failed, with capture_failure "eager"
+                warn_declined(self.host.vllm_config, "the prefill graph capture failed")
             return
         self._buckets = frozenset(self.runner.buckets)
-        # The captured KV-cache write reads the slot-mapping buffer at its capture-time address;
-        # replays check vLLM still fills that buffer in place.
-        context = self.host.capture_contexts[self.runner.buckets[-1]]
-        for layer, slots in (context.slot_mapping or {}).items():
-            self._slot_mapping_probe = (layer, slots.data_ptr())
-            break
+        self._slot_mapping_probe = slot_mapping_probe(self.host.capture_contexts[self.runner.buckets[-1]])
         if not faults.active():  # a fault plugin may have replays read them (bcg_plugin.faults)
             self.host.capture_contexts.clear()
 
@@ -163,11 +161,12 @@ class VllmPrefillGraphs:
             num_tokens = _num_actual_tokens(context.attn_metadata)
         if num_tokens is None or not 0 < num_tokens <= bucket:
             return None
-        if self._slot_mapping_probe is not None:
-            layer, ptr = self._slot_mapping_probe
-            live = (context.slot_mapping or {}).get(layer)
-            if live is None or live.data_ptr() != ptr:
-                return None
+        if self._slot_mapping_probe:
+            live = context.slot_mapping or {}
+            for layer, ptr in self._slot_mapping_probe:
+                slots = live.get(layer)
+                if slots is None or slots.data_ptr() != ptr:
+                    return None
         if self.host.embeds_in_graph and model_inputs.get("inputs_embeds") is not None:
             return None  # the graph embeds token ids itself; embeddings from the host were not captured
         payload = faults.replay_metadata("vllm", bucket, live=context, earlier=self.host.capture_contexts.get(bucket))
@@ -178,6 +177,16 @@ class VllmPrefillGraphs:
         self.runner.close()
         self.host.capture_contexts.clear()
         self._buckets = frozenset()
+
+
+def slot_mapping_probe(context: Any) -> tuple[tuple[str, int], ...]:
+    """One ``(layer, buffer address)`` per slot-mapping buffer of a capture context: one per KV-cache
+    group (a sliding-window + full model has two). The captured KV-cache writes read each buffer at its
+    capture-time address, so a replay checks vLLM still fills every one of them in place."""
+    probe: dict[int, str] = {}
+    for layer, slots in (context.slot_mapping or {}).items():
+        probe.setdefault(slots.data_ptr(), layer)
+    return tuple((layer, ptr) for ptr, layer in probe.items())
 
 
 def _num_actual_tokens(attn_metadata: Any) -> int | None:
