@@ -213,13 +213,16 @@ def rescale_dummy_weights(engine) -> None:
     assert ok, f"rescaling the dummy weights failed: {message}"
 
 
-def start_engine(model_path: str, mode: str, env: dict[str, str]):
+def start_engine(model_path: str, mode: str, env: dict[str, str], record: Path):
+    """The engine, its schedulers appending their forward records to ``record`` (the bench's timers)."""
+    from bcg_bench import sglang_timers
+
     # The schedulers import dummy_weights (RESCALE_LOADER) from this folder.
     env = {"PYTHONPATH": soak.with_tests_on_path(os.environ), **env}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        engine = sglang.Engine(**engine_kwargs(model_path, mode), port=next(_ENGINE_PORTS))
+        engine = sglang_timers.start_engine(record, **engine_kwargs(model_path, mode), port=next(_ENGINE_PORTS))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -243,10 +246,8 @@ def generate(engine, reqs: list[dict], **routing) -> list[dict]:
 
 
 def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
-    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
-
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
-    engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env})
+    engine = start_engine(model_path, mode, env, record)
     try:
         results = [m for wave in waves for m in generate(engine, wave)]
         # One request per call: consecutive forwards in a known order, all on one DP rank (else

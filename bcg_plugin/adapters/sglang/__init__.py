@@ -10,7 +10,6 @@ or ``BCG_ENABLE=1``; tune with ``BCG_MAX_TOKENS``, ``BCG_SIZES``, ``BCG_MAX_PADD
 from __future__ import annotations
 
 import logging
-import os
 
 from bcg_plugin.adapters.sglang import config as settings
 
@@ -64,10 +63,6 @@ def _patch_set(runtime: bool) -> list:
             radix_attention_breakable_lse.PATCH,
             radix_attention_breakable_extra.PATCH,
         ]
-    if os.environ.get(settings.BENCH_RECORD_ENV):
-        from bcg_bench import sglang_capture_probe as bench_capture_probe, sglang_forward_timer as bench_forward_timer
-
-        patches += [bench_capture_probe.PATCH, bench_forward_timer.PATCH]
     return patches
 
 

@@ -34,7 +34,7 @@ METRICS_NOTE = (f"bcg's Prometheus counters reach vLLM's /metrics only with {MET
                 "log line works without it")
 _GRAPH_INPUTS = ("input_ids", "positions", "inputs_embeds")
 
-# Every live instance in this process, for the benchmark and tests (weak: runners own them).
+# Every live instance in this process, for the stats RPC (metrics.py; weak: runners own them).
 INSTANCES: weakref.WeakSet = weakref.WeakSet()
 
 
