@@ -1,9 +1,10 @@
 """``bcg bench vllm|sglang``: every mode in its own process, one result file for the run.
 
-Each engine's per-mode script (``bcg_plugin.adapters.<engine>.bench``) takes ``--mode --model --sizes
---out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with ``e2e_ms`` and ``forward_ms``
-(N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``. This module runs the modes back to back,
-stamps the run (engine version, model shape, parallel layout, GPU, date) and writes
+Each engine's per-mode script (:mod:`bcg_bench.vllm_mode`, :mod:`bcg_bench.sglang_mode`) takes
+``--mode --model --sizes --out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with
+``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``. This
+module runs the modes back to back, stamps the run (engine version, model shape, parallel layout,
+GPU, date) and writes
 ``<engine>-<model>[-tpN][-dpN]-<UTC date and time>.{json,md,png}``.
 """
 
@@ -13,6 +14,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -25,7 +27,7 @@ from pathlib import Path
 from bcg_bench import hostspeed, profile, targets
 from bcg_bench.models import shape_summary
 from bcg_bench.report import (
-    environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
+    NO_PLOTS, can_plot, environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
 )
 
 # ``profiles_workers``: whether ``--profile`` reaches forwards run in worker processes (tp or dp > 1).
@@ -60,6 +62,9 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
             end_group(proc)
             _, stderr = proc.communicate()
             return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (stderr or "")[-3000:]}
+        except BaseException:  # Ctrl-C: the engine's processes would go on holding the GPU
+            end_group(proc)
+            raise
         end_group(proc)  # whatever outlived the mode would hold GPU memory the next mode needs
         wall = time.perf_counter() - t0
         if proc.returncode != 0 or not out.exists():
@@ -204,17 +209,45 @@ def render(path: Path) -> list[Path]:
     baseline = BASELINE_MODE.get(result["engine"], "eager")
     e2e = {m: d["e2e_ms"] for m, d in good.items()}
     costs = {m: (d.get("capture_s") or 0.0, d.get("graph_mem_gib") or 0.0) for m, d in good.items()}
+    plotted = can_plot()
     plots = {
         f"{stem}.png": plot_latency(path.parent / f"{stem}.png", f"{title}: end-to-end prefill", e2e),
         f"{stem}-speedup.png": plot_speedup(path.parent / f"{stem}-speedup.png",
                                             f"{title}: speed-up over {baseline}", e2e, baseline),
         f"{stem}-capture.png": plot_capture_memory(path.parent / f"{stem}-capture.png", f"{title}: capture cost",
                                                    costs),
-    }
+    } if plotted else {}
     written = [path.parent / name for name, ok in plots.items() if ok]
     md = path.parent / f"{stem}.md"
-    write_markdown(md, to_markdown(result, [p.name for p in written]))
+    write_markdown(md, to_markdown(result, [p.name for p in written])
+                   + ("" if plotted else f"\nPlots not drawn: {NO_PLOTS}.\n"))
     return [md, *written]
+
+
+def first_failure(result: dict) -> str | None:
+    """The first mode process of the run that failed, as ``mode: error: cause`` (``cause``: the last
+    line of its log that names an exception, else its last line), or ``None`` when none failed."""
+    started: dict[str, int] = {}
+    for mode in result.get("order") or list(result["modes"]):
+        data = result["modes"].get(mode) or {}
+        k = started[mode] = started.get(mode, -1) + 1
+        runs = data.get("rounds") or [data]
+        failed = runs[k] if k < len(runs) else {}
+        if "error" in failed:
+            cause = _cause(failed.get("log_tail") or "")
+            return f"{mode}: {failed['error']}" + (f": {cause}" if cause else "")
+    return None
+
+
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Exit|Interrupt)\b")
+_CAUSE_CHARS = 300  # a cause is one line of a terminal, not a log
+
+
+def _cause(log: str) -> str | None:
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    named = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    line = (named or lines or [None])[-1]
+    return line if line is None or len(line) <= _CAUSE_CHARS else line[: _CAUSE_CHARS - 1] + "…"
 
 
 def summary_line(d: dict) -> str:

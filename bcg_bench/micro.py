@@ -9,7 +9,6 @@ per bucket, graph memory, and the host cost of one eager break.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -176,25 +175,20 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bcg bench micro", description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--out", required=True, help="directory for micro-<date>.json and .md")
-    a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bcg bench micro needs a CUDA device")
-    sizes = [int(s) for s in a.sizes.split(",")]
-    result = {"benchmark": "micro", "env": environment(), "model": {"name": "qwen3-0.6b-shaped", **QWEN3_0_6B.to_dict()},
-              "dtype": "bfloat16", "results": run(sizes, a.iters)}
-    out = Path(a.out)
+def write(out: Path, sizes: list[int], iters: int) -> Path:
+    """Run the micro-benchmark on this process's GPU; write ``micro-<date>.json`` and ``.md`` under
+    ``out``; return the markdown's path."""
+    result = {"benchmark": "micro", "env": environment(),
+              "model": {"name": "qwen3-0.6b-shaped", **QWEN3_0_6B.to_dict()}, "dtype": "bfloat16",
+              "results": run(sizes, iters)}
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"micro-{run_stamp(result['env']['date'])}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    write_markdown(stem.with_suffix(".md"), to_markdown(json.loads(json.dumps(result))))
-    print(stem.with_suffix(".md").read_text())
-    return 0
+    path = out / f"micro-{run_stamp(result['env']['date'])}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return render(path)[0]
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def render(path: Path) -> list[Path]:
+    """Write the markdown report of a micro result JSON beside it; return what was written."""
+    md = path.with_suffix(".md")
+    write_markdown(md, to_markdown(json.loads(path.read_text())))
+    return [md]

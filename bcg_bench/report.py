@@ -5,13 +5,17 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import sys
 from pathlib import Path
 
-import torch
+INSTALL_BENCH = 'pip install "bcg-plugin[bench]" (from a checkout: pip install ".[bench]")'
+NO_PLOTS = f"matplotlib is not installed, so no plots were drawn; to draw them: {INSTALL_BENCH}"
 
 
 def environment() -> dict:
     """Date, GPU, torch/CUDA versions: stamped into every result file."""
+    import torch  # here, not at import: `bcg bench --help` runs without torch
+
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -43,11 +47,19 @@ def _pyplot():
     return plt
 
 
+def can_plot() -> bool:
+    """Whether matplotlib is importable; where it is not, say so once on stderr (no plot is drawn)."""
+    if _pyplot() is not None:
+        return True
+    print(f"[bcg bench] {NO_PLOTS}", file=sys.stderr)
+    return False
+
+
 def _line_plot(path: Path, title: str, series: dict[str, dict], ylabel: str, *, log_y: bool,
                reference: float | None = None) -> bool:
-    """One line per mode (N -> value, log2 x axis); returns False when matplotlib is missing."""
+    """One line per mode (N -> value, log2 x axis); returns False when there is none or matplotlib is missing."""
     plt = _pyplot()
-    if plt is None:
+    if plt is None or not series:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, points in series.items():

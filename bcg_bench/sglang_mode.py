@@ -5,8 +5,8 @@ Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its 
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
 and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
-:mod:`bcg_bench.harness`). Forward times and capture figures come from the bench-only
-patches, installed in the schedulers because this script sets ``BCG_BENCH_RECORD``; so does
+:mod:`bcg_bench.harness`). Forward times and capture figures come from the bench's timers in the
+schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); so does
 ``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
 """
 
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bcg_plugin.adapters.sglang import config as settings
+from bcg_bench import sglang_timers
 from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV
@@ -47,15 +47,13 @@ def _line_count(path: Path) -> int:
 
 def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int = 1,
         dp: int = 1) -> dict:
-    import sglang
-
     from bcg_bench.models import model_dir
 
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-bench-")) / "record.jsonl"
-    os.environ[settings.BENCH_RECORD_ENV] = str(record)
     chunk = max(max(sizes), 16)
     t0 = time.perf_counter()
-    engine = sglang.Engine(
+    engine = sglang_timers.start_engine(
+        record,
         model_path=str(model_dir(model)),
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -89,7 +87,7 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         host_profile = None
         profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
         if profile_tokens:  # one extra request, in no median: the schedulers profile its forward
-            Path(settings.profile_arm_path(str(record))).touch()
+            Path(sglang_timers.profile_arm_path(str(record))).touch()
             engine.generate(input_ids=[rng.randrange(100, 150000) for _ in range(int(profile_tokens))],
                             sampling_params=params)
             host_profile = min(_records(record, "host_profile"), key=lambda r: r.get("rank", 0), default=None)

@@ -1,88 +1,108 @@
-"""The ``bcg`` command: ``bcg doctor``, ``bcg bench micro|vllm|sglang``, ``bcg config-reference``."""
+"""The ``bcg`` command: ``bcg doctor``, ``bcg config-reference`` and ``bcg bench ...``.
+
+``bcg bench`` is the benchmark, a package of its own (:mod:`bcg_bench`, the ``bench`` extra): its
+commands and arguments are defined there and imported only when ``bcg bench`` is asked for, so
+``bcg --help``, ``bcg --version`` and ``bcg config-reference`` import neither it nor torch.
+
+Bad input ends in one line on stderr, ``PROG: error: ...``, and exit status 2 (argparse's); a
+command that cannot run here (a missing package, no GPU) in one line and exit status 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
-from pathlib import Path
 
 
-def _bench(argv: list[str]) -> int:
-    if argv and argv[0] == "report":
-        from bcg_bench import harness
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, reporting bad input on one line (argparse's own prints the usage first)."""
 
-        ap = argparse.ArgumentParser(prog="bcg bench report",
-                                     description="Redraw the markdown report and plots beside result JSON files.")
-        ap.add_argument("results", nargs="+", type=Path, help="result JSON written by bcg bench vllm|sglang")
-        a = ap.parse_args(argv[1:])
-        missing = [str(p) for p in a.results if not p.is_file()]
-        if missing:
-            ap.error(f"no such result file: {', '.join(missing)}")
-        for path in a.results:
-            for written in harness.render(path):
-                print(written)
-        return 0
-    if argv and argv[0] == "micro":
-        from bcg_bench import micro
-
-        return micro.main(argv[1:])
-    from bcg_bench import harness
-
-    ap = argparse.ArgumentParser(prog="bcg bench", description="Benchmark prefill graphs in a host engine.")
-    ap.add_argument("engine", choices=["micro", *harness.ENGINES])
-    ap.add_argument("--model", default="qwen3-0.6b")
-    ap.add_argument("--sizes", default=",".join(map(str, harness.DEFAULT_SIZES)))
-    ap.add_argument("--modes", default=None, help="comma-separated; default: every mode of the engine")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--timeout", type=float, default=300, help="seconds per mode")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="run every mode this many times, alternating the order; report the per-N minimum")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every mode's engine")
-    ap.add_argument("--dp", type=int, default=1,
-                    help="data-parallel size (SGLang: DP attention, which needs --tp >= --dp; "
-                         "vLLM: one process per DP rank, MoE models only)")
-    ap.add_argument("--profile", type=int, default=None, metavar="N",
-                    help="after the timed requests, profile the forward of one N-token request per mode with "
-                         "torch.profiler, at the size the mode runs it (a padded N includes the padding's "
-                         "work; vLLM: tp=1 and dp=1 only)")
-    ap.add_argument("--rerun-slow", type=int, default=0, metavar="K",
-                    help="run a mode process again, up to K times, when its host-speed probe is flagged slow "
-                         "against the fastest process so far; the replaced processes stay in the result file")
-    a = ap.parse_args(argv)
-    modes = a.modes.split(",") if a.modes else harness.ENGINES[a.engine]["modes"]
-    path = harness.run(a.engine, a.model, [int(s) for s in a.sizes.split(",")], modes, Path(a.out), a.timeout,
-                       a.rounds, tp=a.tp, dp=a.dp, profile_tokens=a.profile, rerun_slow=a.rerun_slow)
-    print(path.parent.joinpath(path.name[: -len(".json")] + ".md").read_text())  # written by render()
-    return 0
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _config_reference(argv: list[str]) -> int:
+class CommandError(Exception):
+    """Why a command cannot run here (a missing package or GPU): printed as one line, exit status 1."""
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own when run from a checkout not installed."""
+    try:
+        return importlib.metadata.version("bcg-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        from bcg_plugin import __version__
+
+        return __version__
+
+
+def build_parser(argv: list[str]) -> Parser:
+    """The ``bcg`` parser; ``bcg bench``'s own commands are added only when ``argv`` asks for them."""
+    from bcg_plugin.doctor import HOST_ENTRY_POINTS
+
+    parser = Parser(prog="bcg", description="Breakable CUDA graphs for prefill in vLLM and SGLang.")
+    parser.add_argument("--version", action="version", version=f"bcg-plugin {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doctor = sub.add_parser("doctor", help="check hosts, patch targets, GPU and configuration",
+                            description="Check the installed hosts, every patch target, the GPU and the "
+                                        "configuration bcg would run with.")
+    doctor.add_argument("--config", default=None, help="the JSON given to the engine (vLLM additional_config['bcg']); "
+                        "default: the BCG_* environment")
+    doctor.add_argument("--engine", action="append", choices=sorted(HOST_ENTRY_POINTS),
+                        help="check only this host (repeatable); default: all")
+    doctor.set_defaults(run=_doctor, parser=doctor)
+
+    reference = sub.add_parser("config-reference", help="print the configuration reference (markdown)",
+                               description="Print every configuration key, its type, default, environment "
+                                           "variable and meaning, as markdown (docs/configuration.md).")
+    reference.set_defaults(run=_config_reference, parser=reference)
+
+    bench = sub.add_parser("bench", help="benchmark bcg: micro, vllm, sglang, report (the bench extra)",
+                           description="Benchmark bcg against each host's own modes (needs the bench extra: "
+                                       "pip install \"bcg-plugin[bench]\").")
+    if argv[:1] == ["bench"]:
+        from bcg_bench.cli import add_commands
+
+        add_commands(bench)
+    return parser
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from bcg_plugin import doctor
+    from bcg_plugin.config import BcgConfig
+    from bcg_plugin.errors import BcgConfigError
+
+    if args.config is not None:
+        try:
+            BcgConfig.from_json(args.config, source="--config")
+        except BcgConfigError as e:
+            args.parser.error(str(e))
+    return doctor.run(args.config, args.engine or sorted(doctor.HOST_ENTRY_POINTS))
+
+
+def _config_reference(args: argparse.Namespace) -> int:
     from bcg_plugin.config import reference_markdown
 
     sys.stdout.write(reference_markdown())
     return 0
 
 
-def _doctor(argv: list[str]) -> int:
-    from bcg_plugin import doctor
-
-    ap = argparse.ArgumentParser(prog="bcg doctor", description="Check hosts, patch targets, GPU and configuration.")
-    ap.add_argument("--config", default=None, help="the JSON given to vLLM as additional_config['bcg'] (default: none); "
-                    "SGLang reads the BCG_* environment, which doctor checks for it")
-    ap.add_argument("--engine", action="append", choices=sorted(doctor.HOST_ENTRY_POINTS),
-                    help="check only this host (repeatable); default: all")
-    a = ap.parse_args(argv)
-    return doctor.run(a.config, a.engine or sorted(doctor.HOST_ENTRY_POINTS))
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"bench": _bench, "config-reference": _config_reference, "doctor": _doctor}
-    if not argv or argv[0] not in commands:
-        print("usage: bcg {doctor | bench {micro,vllm,sglang} [options] | bench report RESULT.json... | config-reference}", file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return args.run(args)
+    except CommandError as e:
+        print(f"{args.parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{args.parser.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Through the imported module, not this __main__ copy of it: the bench raises bcg_plugin.cli's CommandError.
+    from bcg_plugin.cli import main as _main
+
+    raise SystemExit(_main())

@@ -301,3 +301,55 @@ def test_bcg_compile_gets_its_own_ratios_against_the_hosts_modes_only():
     assert "| 16 | 1.100 | 1.100 |" in minimum  # 4.4 / 4.0
     assert "| 16 | 1.150 |" in paired.split("##")[0]  # median of 6/5 and 4.4/4
     assert "bcg / bcg_compile" in md.split("## End-to-end ratios of bcg_compile")[0]  # bcg's tables unchanged
+
+
+def test_render_without_matplotlib_says_so_on_stderr_and_in_the_report(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = {
+        "engine": "sglang", "engine_version": "0.5.17", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
+        "date": "2026-11-29T00:00:00Z", "env": {"torch": "2.11.0"}, "sizes": [16],
+        "modes": {"bcg": {"e2e_ms": {"16": 10.0}, "capture_s": 4.0, "graph_mem_gib": 0.5}},
+    }
+    path = tmp_path / "sglang-qwen3-0.6b-2026-11-29.json"
+    path.write_text(json.dumps(result))
+    assert [p.name for p in harness.render(path)] == ["sglang-qwen3-0.6b-2026-11-29.md"]
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed, so no plots were drawn" in err and 'pip install "bcg-plugin[bench]"' in err
+    md = (tmp_path / "sglang-qwen3-0.6b-2026-11-29.md").read_text()
+    assert "Plots not drawn: matplotlib is not installed" in md and "![" not in md
+
+
+def test_the_first_failure_is_the_first_failed_process_in_run_order_with_its_cause():
+    tail = "Traceback (most recent call last):\n  File x\nValueError: bad size\nINFO shutting down\n"
+    result = {"order": ["bcg", "native", "native", "bcg"], "modes": {
+        "bcg": {"e2e_ms": {}, "rounds": [{"e2e_ms": {}}, {"error": "timed out after 10 s", "log_tail": "hung"}]},
+        "native": {"e2e_ms": {}, "rounds": [{"e2e_ms": {}}, {"error": "exit code 1", "log_tail": tail}]},
+    }}
+    assert harness.first_failure(result) == "native: exit code 1: ValueError: bad size"
+    result["modes"]["native"]["rounds"][1] = {"e2e_ms": {}}
+    assert harness.first_failure(result) == "bcg: timed out after 10 s: hung"  # no exception named: the last line
+    result["modes"]["bcg"]["rounds"][1] = {"e2e_ms": {}}
+    assert harness.first_failure(result) is None
+
+
+def test_a_bench_stopped_while_a_mode_runs_ends_that_modes_processes(monkeypatch):
+    import pytest
+
+    ended = []
+
+    class Running:
+        pid, returncode = 4321, None
+
+        def __init__(self, cmd, **kwargs):
+            pass
+
+        def communicate(self, timeout=None):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness.subprocess, "Popen", Running)
+    monkeypatch.setattr(harness, "end_group", lambda proc: ended.append(proc.pid))
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_mode("vllm", "bcg", "qwen3-0.6b", [16], 60)
+    assert ended == [4321]

@@ -458,63 +458,6 @@ def test_key_and_value_reach_the_break_contiguous(monkeypatch):
     assert seen["rest"] == ((True, 3), {"key_value_num_tokens": None})
 
 
-@pytest.mark.parametrize("mode, extend_in_batch, recorded", [
-    ("EXTEND", False, True),
-    ("IDLE", True, True),  # an idle DP rank padded to the other rank's extend replays too
-    ("IDLE", False, False),
-    ("DECODE", False, False),
-])
-@pytest.mark.usefixtures("fake_cuda_events")
-def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_path, mode, extend_in_batch, recorded):
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    from bcg_bench.sglang_mode import step_tokens
-    from bcg_bench.sglang_forward_timer import around_forward
-
-    path = tmp_path / "forwards.jsonl"
-    monkeypatch.setenv(config.BENCH_RECORD_ENV, str(path))
-    fb = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), is_extend_in_batch=extend_in_batch,
-                               input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3])
-    out = around_forward(lambda self, batch: types.SimpleNamespace(can_run_graph=True), None, fb)
-    assert out.can_run_graph
-    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    assert len(records) == int(recorded)
-    if recorded:
-        assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
-
-
-@pytest.mark.usefixtures("fake_cuda_events")
-def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp_path):
-    import torch
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
-    from bcg_bench.sglang_forward_timer import around_forward
-    from bcg_bench.profile import PROFILE_TOKENS_ENV
-
-    path = tmp_path / "forwards.jsonl"
-    monkeypatch.setenv(config.BENCH_RECORD_ENV, str(path))
-    monkeypatch.setenv(PROFILE_TOKENS_ENV, "3")
-    fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, is_extend_in_batch=True, input_ids=[1, 2, 3],
-                               global_num_tokens_cpu=None)
-
-    def forward(self, batch):
-        torch.ones(3, 8).mul(2)
-        return types.SimpleNamespace(can_run_graph=True)
-
-    def kinds() -> list[str]:
-        return [json.loads(line)["kind"] for line in path.read_text().splitlines()]
-
-    around_forward(forward, None, fb)
-    assert kinds() == ["forward"]  # not armed yet: a timed request
-    (tmp_path / "forwards.jsonl.profile-armed").touch()
-    assert config.profile_arm_path(str(path)) == str(tmp_path / "forwards.jsonl.profile-armed")
-    around_forward(forward, None, fb)
-    around_forward(forward, None, fb)
-    assert kinds() == ["forward", "host_profile", "forward", "forward"]  # once
-    profiled = json.loads(path.read_text().splitlines()[1])
-    assert profiled["tokens"] == 3 and profiled["rank"] == 0 and profiled["aten_ops"] >= 2
-
-
 def test_dp_token_counts_outlive_the_dummy_batch_that_brought_them():
     import gc
     import weakref

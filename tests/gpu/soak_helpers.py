@@ -337,7 +337,7 @@ def hung(returncode: int | None, log_text: str) -> bool:
 def replay_sequences(forwards: Sequence[dict]) -> dict[int, list[int]]:
     """Per rank, in order, the token count each replayed forward's bucket was chosen from: the DP
     maximum under DP attention (every DP rank replays the bucket of that maximum), else the rank's
-    own count (SGLang's forward records, ``BCG_BENCH_RECORD``)."""
+    own count (SGLang's forward records, :mod:`bcg_bench.sglang_timers`)."""
     per_rank: dict[int, list[int]] = {}
     for f in forwards:
         if f.get("graph"):

@@ -220,14 +220,17 @@ def rescale_dummy_weights(engine, model: str = MODEL) -> None:
     assert ok, f"rescaling the dummy weights failed: {message}"
 
 
-def start_engine(model_path: str, mode: str, env: dict[str, str], **layout):
-    """An engine in this test's layout, or in ``layout`` (``engine_kwargs``' tp, dp, model)."""
+def start_engine(model_path: str, mode: str, env: dict[str, str], record: Path, **layout):
+    """An engine in this test's layout, or in ``layout`` (``engine_kwargs``' tp, dp, model), its
+    schedulers appending their forward records to ``record`` (the bench's timers)."""
+    from bcg_bench import sglang_timers
+
     # The schedulers import dummy_weights (RESCALE_LOADER) and the fault plugins from this folder.
     env = {"PYTHONPATH": soak.with_tests_on_path(os.environ), **env}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        engine = sglang.Engine(**engine_kwargs(model_path, mode, **layout), port=next(_ENGINE_PORTS))
+        engine = sglang_timers.start_engine(record, **engine_kwargs(model_path, mode, **layout), port=next(_ENGINE_PORTS))
     finally:
         for k, v in saved.items():
             if v is None:
@@ -251,10 +254,8 @@ def generate(engine, reqs: list[dict], **routing) -> list[dict]:
 
 
 def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
-    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
-
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
-    engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env})
+    engine = start_engine(model_path, mode, env, record)
     try:
         results = [m for wave in waves for m in generate(engine, wave)]
         # One request per call: consecutive forwards in a known order, all on one DP rank (else
@@ -460,10 +461,8 @@ def generate_on_ranks(engine, per_rank: list[list[dict]]) -> list[list[dict]]:
 
 
 def run_dp_dense_engine(model_path: str, mode: str, waves: list[list[list[dict]]], **env: str) -> dict:
-    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
-
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-dp-dense-")) / "forwards.jsonl"
-    engine = start_engine(model_path, mode, {BENCH_RECORD_ENV: str(record), **env}, **DP_DENSE)
+    engine = start_engine(model_path, mode, dict(env), record, **DP_DENSE)
     try:
         results = [m for wave in waves for batch in generate_on_ranks(engine, wave) for m in batch]
     finally:

@@ -56,7 +56,7 @@ Checks:
    size), max - min per GPU must stay under 256 MiB.
 4. bcg ran, in lockstep. vLLM: ``collective_rpc("bcg_stats")`` from every worker
    (``bcg_plugin.adapters.vllm.metrics``) shows replays, no eager fallback (under DP, only steps whose DP-wide
-   size is no bucket), and every tensor- and data-parallel rank with the same replays per bucket. SGLang: the forward records (``BCG_BENCH_RECORD``) show replays and
+   size is no bucket), and every tensor- and data-parallel rank with the same replays per bucket. SGLang: the forward records (the bench's timers, :mod:`bcg_bench.sglang_timers`) show replays and
    every rank replaying the same sequence of buckets (under DP attention, of the DP-wide maximum
    token count); without DP no forward within the top bucket ran eagerly (with DP, steps in which
    one rank decodes while another extends run eagerly by design and are only counted; a rank with
@@ -230,15 +230,15 @@ def vllm_engine(role: str, progress: Path) -> dict:
 
 
 def sglang_engine(role: str, progress: Path, model_path: str) -> dict:
-    import sglang
     from test_sglang_gpu import engine_kwargs, rescale_dummy_weights  # the engine test's layout and weights
 
-    from bcg_plugin.adapters.sglang.config import BENCH_RECORD_ENV
+    from bcg_bench import sglang_timers
 
     record = progress.with_name(f"{role}.forwards.jsonl")
-    os.environ[BENCH_RECORD_ENV] = str(record)  # schedulers inherit it: forward records, bench patches
     os.environ.setdefault("BCG_STATS_INTERVAL_S", "30")
-    engine = sglang.Engine(**engine_kwargs(model_path, "bcg" if role == "soak" else "disabled", chunk=CHUNK))
+    # The bench's timers in every scheduler: the forward records the lockstep check reads.
+    engine = sglang_timers.start_engine(record, **engine_kwargs(model_path, "bcg" if role == "soak" else "disabled",
+                                                                chunk=CHUNK))
     rescale_dummy_weights(engine)
     prompts = soak.probe_prompts(SEED + 1, PROBES, PROBE_EDGES)
     try:

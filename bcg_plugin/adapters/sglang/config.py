@@ -7,7 +7,6 @@ because SGLang rejects unknown flags and kwargs and spawned schedulers inherit t
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 
@@ -18,24 +17,6 @@ FLAG_VALUE = "bcg"  # --cuda-graph-backend-prefill bcg / Engine(cuda_graph_backe
 ENABLE_ENV = "BCG_ENABLE"
 STATS_INTERVAL_ENV = "BCG_STATS_INTERVAL_S"  # seconds between stats log lines; 0 turns them off
 DEFAULT_STATS_INTERVAL_S = 60.0
-# Bench-only: a file the scheduler appends prefill forward timings and capture figures to.
-BENCH_RECORD_ENV = "BCG_BENCH_RECORD"
-
-
-def bench_record_path() -> str | None:
-    """The benchmark's record file, or ``None`` outside a benchmark."""
-    return os.environ.get(BENCH_RECORD_ENV) or None
-
-
-def profile_arm_path(record_path: str) -> str:
-    """The file whose presence arms the schedulers' forward profiler (``bcg bench --profile N``)."""
-    return f"{record_path}.profile-armed"
-
-
-def append_bench_record(path: str, record: dict) -> None:
-    """Append ``record`` to the benchmark's record file as one JSON line (schedulers share the file)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
 
 
 def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:

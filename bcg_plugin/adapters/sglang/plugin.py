@@ -50,10 +50,6 @@ def _patch_set(runtime: bool) -> list:
     patches = [*LAUNCH.patches]
     if runtime:
         patches += RUNTIME.patches
-    if os.environ.get(config.BENCH_RECORD_ENV):
-        from bcg_bench import sglang_capture_probe as bench_capture_probe, sglang_forward_timer as bench_forward_timer
-
-        patches += [bench_capture_probe.PATCH, bench_forward_timer.PATCH]
     return patches
 
 

@@ -26,7 +26,7 @@ from bcg_plugin.ladder import ladder_top, ladder_top_note
 
 _GRAPH_INPUTS = ("input_ids", "positions", "inputs_embeds")
 
-# Every live instance in this process, for the benchmark and tests (weak: runners own them).
+# Every live instance in this process, for the stats RPC (metrics.py; weak: runners own them).
 INSTANCES: weakref.WeakSet = weakref.WeakSet()
 
 

@@ -1,0 +1,215 @@
+"""The SGLang bench's timers: what each scheduler's prefill forwards and prefill-graph capture cost.
+
+They are two SGLang ``HookRegistry`` hooks, installed only in the schedulers of an engine that
+:func:`start_engine` starts, never by bcg's plugin:
+
+* ``ModelRunner.forward`` (AROUND): each extend forward, and an idle DP-attention rank's forward
+  while another rank extends, appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank",
+  "graph", "across_dp"}`` to the record file: ``ms`` from CUDA events, ``host_ms`` the host time
+  spent issuing the forward, ``across_dp`` SGLang's replicated per-DP-rank token counts (``None``
+  without DP attention). The synchronisation it adds makes it unfit for serving. With
+  ``bcg bench --profile N``, the first N-token forward once the bench arms the profiler
+  (:func:`profile_arm_path`) runs under ``torch.profiler`` and appends ``{"kind": "host_profile",
+  "rank", ...}`` (:mod:`bcg_bench.profile`).
+* ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
+  accounting of the runner it built (free-memory delta and wall time), the same measurement for
+  every prefill backend, plus bcg's pool and graph sizes when bcg's runner was built.
+
+How they reach the schedulers: SGLang starts each scheduler (and, under DP attention, the DP
+controller that starts them) with multiprocessing *spawn*, calling ``Engine.run_scheduler_process_func``,
+a class attribute SGLang provides for engines that customise their processes. The engine class of
+:func:`start_engine` sets it to :func:`run_scheduler_process`, which spawn pickles by reference, so
+each scheduler imports this module and runs that function: it registers the two hooks, then lets
+SGLang load its plugins (bcg's among them) and apply every registered hook at once, then runs
+SGLang's own scheduler. Registering before the plugins load matters: bcg's plugin hooks
+``capture_prefill_graph`` too, and ``HookRegistry`` builds a target's chain once, so a hook applied
+on its own before the plugin's would leave the plugin's out (bcg would turn itself off). The record
+file is named by ``BCG_BENCH_RECORD`` in the environment, which the schedulers inherit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+from bcg_plugin.patches import NOT_FILED, Patch, PatchTargetError
+from bcg_plugin.patches.sglang import Hook
+
+RECORD_ENV = "BCG_BENCH_RECORD"  # the file every scheduler appends its records to, one JSON object a line
+FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+CAPTURE_TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
+
+
+def record_path() -> str | None:
+    """This process's record file, or ``None`` outside an engine of :func:`start_engine`."""
+    return os.environ.get(RECORD_ENV) or None
+
+
+def profile_arm_path(record: str) -> str:
+    """The file whose presence arms the schedulers' forward profiler (``bcg bench --profile N``)."""
+    return f"{record}.profile-armed"
+
+
+def append_record(path: str, record: dict) -> None:
+    """Append ``record`` to the record file as one JSON line (every scheduler appends to the same file)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@functools.cache
+def _profiler(path: str):
+    """This scheduler's profiler for the record file ``path`` (``None`` without ``--profile``)."""
+    from bcg_bench.profile import ForwardProfiler
+
+    arm = profile_arm_path(path)
+    return ForwardProfiler.from_env(armed=lambda: os.path.exists(arm))
+
+
+def around_forward(original_fn, self, forward_batch, *args, **kwargs):
+    import torch
+
+    path = record_path()
+    mode = forward_batch.forward_mode
+    # An idle DP-attention rank while another extends: SGLang pads it to a dummy extend that replays
+    # the same bucket, so lockstep checks need its record too (``tokens`` 0).
+    idle_in_extend = mode.is_idle() and bool(getattr(forward_batch, "is_extend_in_batch", False))
+    if not path or not (mode.is_extend() or idle_in_extend):
+        return original_fn(self, forward_batch, *args, **kwargs)
+    tokens = len(forward_batch.input_ids)
+    across = getattr(forward_batch, "global_num_tokens_cpu", None)  # read before the forward pads it
+    across_dp = [int(n) for n in across] if across is not None else None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    profiler = _profiler(path)
+    profiled_before = profiler is not None and profiler.summary is not None
+    start.record()
+    t0 = time.perf_counter()
+    with profiler.around(tokens) if profiler else contextlib.nullcontext():
+        out = original_fn(self, forward_batch, *args, **kwargs)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    end.record()
+    end.synchronize()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if profiler is not None and profiler.summary is not None and not profiled_before:
+        append_record(path, {"kind": "host_profile", "rank": rank, **profiler.summary})
+    append_record(path, {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end), "host_ms": host_ms,
+                         "rank": rank, "graph": bool(getattr(out, "can_run_graph", False)), "across_dp": across_dp})
+    return out
+
+
+def after_capture_prefill_graph(result, *args, **kwargs):
+    path = record_path()
+    if not path:
+        return None
+    runner = getattr(result, "runner", None)
+    core = getattr(runner, "core", None)
+    append_record(path, {
+        "kind": "capture",
+        "runner": type(runner).__name__,
+        "memory_gib": float(getattr(result, "memory_usage_gb", 0.0) or 0.0),
+        "seconds": float(getattr(result, "capture_time", 0.0) or 0.0),
+        "bcg_pool_gib": core.stats.pool_bytes / 2**30 if core is not None else None,
+        "bcg_graph_gib": core.stats.graph_bytes / 2**30 if core is not None else None,
+        "bcg_capture_s": core.stats.capture_seconds if core is not None else None,
+        "bcg_warmup_s": core.stats.warmup_seconds if core is not None else None,
+    })
+    return None
+
+
+FORWARD = Patch(
+    target=FORWARD_TARGET,
+    how=Hook("AROUND", params=("self", "forward_batch")),
+    make=lambda: around_forward,
+    reason="benchmark only: model-forward time of prefill forwards (CUDA events)",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
+    remove_when="SGLang's device timer exposes per-forward prefill times to clients",
+)
+CAPTURE = Patch(
+    target=CAPTURE_TARGET,
+    how=Hook("AFTER", params=("model_runner", "eager_runner")),
+    make=lambda: after_capture_prefill_graph,
+    reason="benchmark only: capture time and graph memory per prefill backend",
+    hosts=">=0.5.17,<0.5.18",
+    upstream=NOT_FILED,
+    remove_when="SGLang reports graph memory/time per phase through get_server_info",
+)
+TIMERS = (FORWARD, CAPTURE)
+
+
+def is_installed(patch: Patch) -> bool:
+    """Whether ``patch``'s hook is in its target's wrapper chain (SGLang only logs a hook that failed)."""
+    from bcg_plugin.patches.sglang._hook import _chain_has, resolve_value
+
+    try:
+        return _chain_has(resolve_value(patch.target), patch.make())
+    except PatchTargetError:
+        return False
+
+
+def install() -> None:
+    """Register the timers and apply them with every plugin's hooks, in a process about to run a scheduler.
+
+    Raises ``RuntimeError`` naming the target when a timer cannot be placed: a bench whose timers
+    are missing would report no forward times rather than fail.
+    """
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+
+    problems = []
+    for patch in TIMERS:
+        try:
+            patch.verify()
+        except PatchTargetError as e:
+            problems.append(str(e))
+    if problems:
+        raise RuntimeError(f"bcg bench: cannot time this SGLang: {'; '.join(problems)}")
+    # Registered, not applied: load_plugins() builds each target's chain once with the plugins'
+    # hooks (bcg's on capture_prefill_graph included); applying these first would leave those out.
+    source = HookSource(plugin_name="bcg-bench", dist_name=None)
+    for patch in TIMERS:
+        if not is_installed(patch):
+            HookRegistry.register(patch.target, patch.make(), HookType[patch.how.kind], source=source)
+    load_plugins()  # applies every registered hook, the plugins' and these, one chain per target
+    HookRegistry.apply_hooks()  # where the plugins were loaded before: no-op for targets already built
+    missing = [p.target for p in TIMERS if not is_installed(p)]
+    if missing:
+        raise RuntimeError(f"bcg bench: SGLang did not install the bench timers on {missing} (see SGLang's log)")
+
+
+def run_scheduler_process(*args, **kwargs):
+    """SGLang's scheduler process, with the bench's timers installed first (spawn target)."""
+    from sglang.srt.managers import scheduler
+
+    install()
+    return scheduler.run_scheduler_process(*args, **kwargs)
+
+
+@functools.cache
+def engine_class() -> type:
+    """``sglang.Engine`` whose schedulers run :func:`run_scheduler_process`."""
+    from sglang.srt.entrypoints.engine import Engine  # what sglang.Engine lazily stands for
+
+    class TimedEngine(Engine):
+        """An SGLang engine whose schedulers record their forwards and capture (see the module)."""
+
+        run_scheduler_process_func = staticmethod(run_scheduler_process)
+
+    return TimedEngine
+
+
+def start_engine(record: str | Path, **engine_kwargs):
+    """An SGLang engine (``engine_kwargs`` as ``sglang.Engine`` takes them) whose schedulers append
+    their records to ``record``."""
+    previous = os.environ.get(RECORD_ENV)
+    os.environ[RECORD_ENV] = str(record)  # read by every scheduler, which inherits the environment at spawn
+    try:
+        return engine_class()(**engine_kwargs)
+    finally:
+        if previous is None:
+            os.environ.pop(RECORD_ENV, None)
+        else:
+            os.environ[RECORD_ENV] = previous

@@ -1,0 +1,191 @@
+"""The SGLang bench's timers (bcg_bench.sglang_timers) against the real sglang 0.5.17 package, on CPU.
+
+Anything that installs hooks runs in a fresh interpreter, as SGLang's spawned schedulers do, so this
+process stays unpatched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+pytest.importorskip("sglang")
+
+from bcg_bench import sglang_timers  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.mark.parametrize("mode, extend_in_batch, recorded", [
+    ("EXTEND", False, True),
+    ("IDLE", True, True),  # an idle DP rank padded to the other rank's extend replays too
+    ("IDLE", False, False),
+    ("DECODE", False, False),
+])
+@pytest.mark.usefixtures("fake_cuda_events")
+def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_path, mode, extend_in_batch, recorded):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from bcg_bench.sglang_mode import step_tokens
+
+    path = tmp_path / "forwards.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    fb = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), is_extend_in_batch=extend_in_batch,
+                               input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3])
+    out = sglang_timers.around_forward(lambda self, batch: types.SimpleNamespace(can_run_graph=True), None, fb)
+    assert out.can_run_graph
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert len(records) == int(recorded)
+    if recorded:
+        assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
+
+
+@pytest.mark.usefixtures("fake_cuda_events")
+def test_without_a_record_file_the_forward_passes_through_unrecorded(monkeypatch, tmp_path):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    monkeypatch.delenv(sglang_timers.RECORD_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[1, 2, 3])
+    assert sglang_timers.around_forward(lambda self, batch: "out", None, fb) == "out"
+    assert sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None)) is None
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.usefixtures("fake_cuda_events")
+def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp_path):
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from bcg_bench.profile import PROFILE_TOKENS_ENV
+
+    path = tmp_path / "forwards.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    monkeypatch.setenv(PROFILE_TOKENS_ENV, "3")
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, is_extend_in_batch=True, input_ids=[1, 2, 3],
+                               global_num_tokens_cpu=None)
+
+    def forward(self, batch):
+        torch.ones(3, 8).mul(2)
+        return types.SimpleNamespace(can_run_graph=True)
+
+    def kinds() -> list[str]:
+        return [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+
+    sglang_timers.around_forward(forward, None, fb)
+    assert kinds() == ["forward"]  # not armed yet: a timed request
+    (tmp_path / "forwards.jsonl.profile-armed").touch()
+    assert sglang_timers.profile_arm_path(str(path)) == str(tmp_path / "forwards.jsonl.profile-armed")
+    sglang_timers.around_forward(forward, None, fb)
+    sglang_timers.around_forward(forward, None, fb)
+    assert kinds() == ["forward", "host_profile", "forward", "forward"]  # once
+    profiled = json.loads(path.read_text().splitlines()[1])
+    assert profiled["tokens"] == 3 and profiled["rank"] == 0 and profiled["aten_ops"] >= 2
+
+
+def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_path):
+    path = tmp_path / "forwards.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5)
+    bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": types.SimpleNamespace(stats=stats)})(),
+                                memory_usage_gb=0.75, capture_time=2.0)
+    native = types.SimpleNamespace(runner=type("PrefillCudaGraphRunner", (), {})(), memory_usage_gb=0.25,
+                                   capture_time=1.0)
+    sglang_timers.after_capture_prefill_graph(bcg)
+    sglang_timers.after_capture_prefill_graph(native)
+    first, second = (json.loads(line) for line in path.read_text().splitlines())
+    assert first == {"kind": "capture", "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
+                     "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5}
+    assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is None
+
+
+# -- how the timers reach the schedulers --------------------------------------------------------------
+
+
+def test_the_engine_runs_the_benchs_scheduler_function_which_spawn_pickles_by_reference():
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers.data_parallel_controller import run_data_parallel_controller_process
+
+    engine = sglang_timers.engine_class()
+    assert issubclass(engine, Engine) and engine.run_scheduler_process_func is sglang_timers.run_scheduler_process
+    # The spawned child imports this module by name to find the function: nothing else travels.
+    assert pickle.loads(pickle.dumps(engine.run_scheduler_process_func)) is sglang_timers.run_scheduler_process
+    # SGLang's own path to the schedulers under DP attention: its controller takes the function too.
+    assert "run_scheduler_process_func" in inspect.signature(run_data_parallel_controller_process).parameters
+
+
+def test_the_record_file_is_named_while_the_engine_starts_and_not_after(monkeypatch, tmp_path):
+    seen = {}
+
+    class FakeEngine:
+        def __init__(self, **kwargs):
+            seen.update(kwargs, record=os.environ.get(sglang_timers.RECORD_ENV))
+
+    monkeypatch.setattr(sglang_timers, "engine_class", lambda: FakeEngine)
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, "earlier")
+    sglang_timers.start_engine(tmp_path / "r.jsonl", model_path="m")
+    assert seen == {"model_path": "m", "record": str(tmp_path / "r.jsonl")}
+    assert os.environ[sglang_timers.RECORD_ENV] == "earlier"
+
+
+SCHEDULER = textwrap.dedent(
+    """
+    import json, sys
+    from sglang.srt.managers import scheduler
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from bcg_plugin.patches.sglang import capture_prefill_graph
+
+    seen = {}
+
+    def probe(*args, **kwargs):  # stands in for SGLang's scheduler, which runs next
+        from bcg_plugin.adapters import sglang as adapter
+        timers = sys.modules.get("bcg_bench.sglang_timers")  # its hooks cannot be in place unless it was imported
+        seen.update(args=list(args), active=adapter.is_active(), bench_imported="bcg_bench" in sys.modules,
+                    timers=sorted(p.target for p in timers.TIMERS if timers.is_installed(p)) if timers else [],
+                    bcg_capture=capture_prefill_graph.PATCH.in_place())
+
+    scheduler.run_scheduler_process = probe
+    if sys.argv[1] == "timed":
+        from bcg_bench import sglang_timers
+        sglang_timers.run_scheduler_process("server_args", "port_args")
+    else:  # a plain engine's scheduler: SGLang loads its plugins, bcg's among them
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        probe()
+    seen["forward_wrapped"] = hasattr(ModelRunner.forward, "__wrapped__")
+    print("SCENARIO " + json.dumps(seen))
+    """
+)
+
+
+def run_scheduler(kind: str, tmp_path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BCG_")}
+    env.update(BCG_ENABLE="1", PYTHONWARNINGS="ignore", **{sglang_timers.RECORD_ENV: str(tmp_path / "r.jsonl")})
+    proc = subprocess.run([sys.executable, "-c", SCHEDULER, kind], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SCENARIO ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("SCENARIO "):])
+
+
+def test_a_bench_scheduler_has_the_timers_and_bcg_both_on_the_capture_it_shares(tmp_path):
+    """The timers are registered before SGLang loads its plugins, so bcg's hook on the same target
+    goes into the same chain: bcg stays active and the capture is timed."""
+    seen = run_scheduler("timed", tmp_path)
+    assert seen["args"] == ["server_args", "port_args"]  # SGLang's scheduler runs, with its arguments
+    assert seen["timers"] == sorted([sglang_timers.FORWARD_TARGET, sglang_timers.CAPTURE_TARGET])
+    assert seen["bcg_capture"] and seen["active"]
+
+
+def test_the_plugin_installs_no_bench_timer_even_with_a_record_file_named(tmp_path):
+    seen = run_scheduler("plain", tmp_path)
+    assert seen["active"] and seen["bcg_capture"]  # bcg itself is in place
+    assert seen["timers"] == [] and not seen["forward_wrapped"] and not seen["bench_imported"]

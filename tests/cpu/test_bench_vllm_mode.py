@@ -1,0 +1,153 @@
+"""The vLLM bench's mode process (bcg_bench.vllm_mode) against the real vllm 0.26.0 package, on CPU."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.mark.parametrize("mode", ["eager", "native_ladder", "bcg"])
+def test_bench_engine_kwargs_are_vllm_engine_args(mode):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from bcg_bench.vllm_mode import engine_kwargs
+    from bcg_plugin.adapters.vllm.metrics import WORKER_EXTENSION
+
+    args = EngineArgs(**engine_kwargs(mode, "qwen3-8b", [16, 2048], tp=2))
+    assert args.tensor_parallel_size == 2 and args.worker_extension_cls == WORKER_EXTENSION
+    assert args.max_num_seqs is None  # vLLM's default, which sets native's default graph sizes
+    moe = EngineArgs(**engine_kwargs(mode, "qwen3-30b-a3b", [16, 2048], dp=2))
+    assert moe.enable_expert_parallel and not moe.disable_log_stats  # request metrics: time to first token
+
+
+def test_bench_dp_ranks_send_one_request_per_step_in_lockstep(monkeypatch, tmp_path):
+    """Under --dp every rank sends exactly one request per measured step, after the same barrier:
+    rank 0 the N tokens it times, the others one token (vLLM pads them to rank 0's size)."""
+    import threading
+
+    import vllm
+
+    from bcg_bench import vllm_mode as bench
+
+    events, lock = [], threading.Lock()
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            self.rank = int(threading.current_thread().name)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            n = len(prompts[0]["prompt_token_ids"])
+            with lock:
+                events.append((self.rank, len(prompts), n))
+            return [types.SimpleNamespace(metrics=types.SimpleNamespace(first_token_latency=n / 1e3))]
+
+        def collective_rpc(self, name):
+            return [[]]
+
+    monkeypatch.setattr(bench, "_env_for", lambda *a, **k: None)
+    monkeypatch.setattr(bench.Timers, "install", lambda self: None)
+    monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    results = {}
+
+    def rank_main(rank):
+        results[rank] = bench.run("eager", "qwen3-30b-a3b", [16, 256], reps=3, warmup=1, dp=2, dp_rank=rank,
+                                  barrier_dir=str(tmp_path))
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=str(r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    per_rank = {r: [n for rank, _, n in events if rank == r] for r in range(2)}
+    steps = 2 * 1 + 2 * 3  # warm-up then measured, every size
+    assert all(count == 1 for _, count, _ in events)
+    assert len(per_rank[0]) == len(per_rank[1]) == steps
+    assert per_rank[1] == [1] * steps and sorted(set(per_rank[0])) == [16, 256]
+    assert set(results[0]["e2e_ms"]) == {"16", "256"} and results[0]["data_parallel_size"] == 2
+    assert "forward_ms" not in results[0]  # timed in-process only, as at tp > 1
+    # generate() also waits out the DP wave; the time to first token comes from vLLM's request metrics
+    assert results[0]["ttft_ms"] == {"16": 16.0, "256": 256.0}
+
+
+def test_first_token_ms_reads_vllms_request_metrics():
+    from bcg_bench.vllm_mode import first_token_ms
+
+    out = types.SimpleNamespace(metrics=types.SimpleNamespace(first_token_latency=0.0125))
+    assert first_token_ms([out]) == 12.5
+    assert first_token_ms([types.SimpleNamespace(metrics=None)]) is None  # stats off: no figure, not 0
+    assert first_token_ms([]) is None
+
+
+def test_dp_rank_envs_share_one_rendezvous_and_number_the_ranks():
+    from bcg_bench.vllm_mode import dp_rank_envs
+
+    envs = dp_rank_envs(2)
+    assert [(e["VLLM_DP_RANK"], e["VLLM_DP_RANK_LOCAL"]) for e in envs] == [("0", "0"), ("1", "1")]
+    assert {e["VLLM_DP_MASTER_PORT"] for e in envs} == {envs[0]["VLLM_DP_MASTER_PORT"]}
+    assert all(e["VLLM_DP_SIZE"] == "2" for e in envs)
+
+
+def test_bench_dp_launches_one_process_per_rank(monkeypatch):
+    from bcg_bench import vllm_mode as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "launch_dp_ranks", lambda argv, dp: calls.append((argv, dp)) or 0)
+    argv = ["--mode", "bcg", "--model", "qwen3-30b-a3b", "--out", "x.json", "--dp", "2"]
+    with pytest.raises(SystemExit) as done:
+        bench.main(argv)
+    assert done.value.code == 0 and calls == [(argv, 2)]
+
+
+def test_bench_bcg_mode_takes_extra_keys_from_bcg_variables():
+    from bcg_bench.vllm_mode import bench_bcg_config
+
+    assert bench_bcg_config({}) == {"enable": True}
+    assert bench_bcg_config({"BCG_WARMUP": "first_bucket", "BCG_MAX_TOKENS": "1024"}) == {
+        "enable": True, "warmup": "first_bucket", "max_tokens": 1024}
+
+
+@pytest.mark.parametrize("env_torch_compile", [None, "1", "0"])
+def test_bench_bcg_mode_captures_the_plain_model_and_bcg_compile_the_compiled_one(monkeypatch, env_torch_compile):
+    """The mode names what is measured: a BCG_TORCH_COMPILE in the environment does not move it."""
+    from bcg_bench.vllm_mode import engine_kwargs
+
+    if env_torch_compile is None:
+        monkeypatch.delenv("BCG_TORCH_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("BCG_TORCH_COMPILE", env_torch_compile)
+    assert engine_kwargs("bcg", "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]["torch_compile"] is False
+    assert engine_kwargs("bcg_compile", "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]["torch_compile"] is True
+
+
+def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
+    """The bench's KV-cache figure is the device memory vLLM's worker takes while allocating it."""
+    import torch
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from bcg_bench import vllm_mode as bench
+
+    free = [80 * 2**30]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free[0], 140 * 2**30))
+
+    def allocate(worker, kv_cache_config):
+        free[0] -= kv_cache_config
+
+    monkeypatch.setattr(Worker, "initialize_from_config", allocate)
+    import vllm.v1.worker.gpu.model_runner as v2
+    import vllm.v1.worker.gpu_model_runner as v1
+
+    for module in (v1, v2):  # install() wraps these too; restored after the test
+        monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
+        monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
+    timers = bench.Timers()
+    timers.install()
+    Worker.initialize_from_config(object(), 3 * 2**30)
+    assert timers.kv_cache_bytes == 3 * 2**30
+    assert bench.used_device_bytes() == (140 - 77) * 2**30
