@@ -47,12 +47,3 @@ def dp_bucket(
         return None
     return choose_bucket(buckets, max(num_tokens_across_dp))
 
-
-def agree_dp_bucket(buckets: Sequence[int], local_tokens: int, local_extend: bool, group: Any) -> int | None:
-    """:func:`dp_bucket` for hosts that do not synchronise token counts themselves (one MAX all-reduce)."""
-    if _world_size(group) == 1:
-        return dp_bucket(buckets, [local_tokens], local_extend)
-    t = torch.tensor([local_tokens, 0 if local_extend else 1], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    max_tokens, any_idle = int(t[0]), bool(t[1])
-    return dp_bucket(buckets, [max_tokens], not any_idle)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
-from bcg_plugin.dist import CaptureStatus, agree_capture_status, agree_dp_bucket, dp_bucket
+from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 
 LADDER = [16, 32, 64, 128]
 
@@ -53,10 +53,6 @@ def _oom_vote(rank):
     return int(agree_capture_status(local, dist.group.WORLD))
 
 
-def _dp_choice(rank, tokens, extend):
-    return agree_dp_bucket(LADDER, tokens[rank], extend[rank], dist.group.WORLD)
-
-
 @pytest.mark.parametrize("failing_rank", [0, 1, None])
 def test_capture_vote_is_unanimous(tmp_path, failing_rank):
     votes = _run(2, _capture_vote, tmp_path, failing_rank)
@@ -66,19 +62,6 @@ def test_capture_vote_is_unanimous(tmp_path, failing_rank):
 
 def test_oom_on_one_rank_is_oom_everywhere(tmp_path):
     assert _run(2, _oom_vote, tmp_path) == [CaptureStatus.OOM, CaptureStatus.OOM]
-
-
-@pytest.mark.parametrize(
-    "tokens, extend, expected",
-    [
-        ([10, 40], [True, True], 64),  # bucket from the max over ranks, same on both
-        ([100, 3], [True, True], 128),
-        ([10, 40], [True, False], None),  # an idle/decoding rank: nobody replays
-        ([10, 500], [True, True], None),  # one rank above the top bucket: nobody replays
-    ],
-)
-def test_dp_bucket_uniform_across_ranks(tmp_path, tokens, extend, expected):
-    assert _run(2, _dp_choice, tmp_path, tokens, extend) == [expected, expected]
 
 
 class _InjectedFailure:
@@ -192,7 +175,16 @@ def test_setup_failing_on_one_rank_leaves_every_rank_eager_before_any_bucket(tmp
     assert results == [["eager", []], ["eager", []]]
 
 
-def test_dp_bucket_pure():
-    assert dp_bucket(LADDER, [5, 17], True) == 32
-    assert dp_bucket(LADDER, [5, 17], False) is None
-    assert dp_bucket(LADDER, [], True) is None
+@pytest.mark.parametrize(
+    "tokens, extend, expected",
+    [
+        ([10, 40], True, 64),  # bucket from the max over ranks: the same on every rank
+        ([100, 3], True, 128),
+        ([5, 17], True, 32),
+        ([10, 40], False, None),  # an idle/decoding rank: nobody replays
+        ([10, 500], True, None),  # one rank above the top bucket: nobody replays
+        ([], True, None),
+    ],
+)
+def test_dp_bucket_from_replicated_counts(tokens, extend, expected):
+    assert dp_bucket(LADDER, tokens, extend) == expected
