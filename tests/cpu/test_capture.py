@@ -1,8 +1,13 @@
 """How a bucket's segments are opened (CPU: ``torch.cuda.graph`` replaced by recording fakes)."""
 
+import gc
+
+import pytest
+import torch
 from breakable_cuda_graphs import BreakableCUDAGraph
 
 from bcg_plugin import capture
+from bcg_plugin.errors import BcgVersionError
 
 
 class _Recorder:
@@ -84,3 +89,62 @@ def test_default_capture_stream_on_another_device_is_not_used(monkeypatch):
     assert capture.default_capture_stream(torch.device("cuda", 1)) is None
     assert graph.default_capture_stream is other
     assert capture.default_capture_stream(torch.device("cuda", 0)) is other
+
+
+class _FakePool:
+    handle = ("pool",)
+
+    def contains(self, t):
+        return False
+
+    def end_failed_capture(self):
+        pass
+
+
+# -- the torch releases the capture was checked against ------------------------------------------------
+
+
+@pytest.mark.parametrize("version, supported", [
+    ("2.11.0", True), ("2.11.0+cu130", True), ("2.13.0", True), ("2.14.0rc1", True), ("2.14.1", True),
+    ("2.10.0", False), ("2.9.1", False), ("2.15.0", False), ("2.15.0a0+git1234", False), ("nightly", False),
+])
+def test_torch_outside_the_checked_range_is_named_with_the_range(version, supported):
+    problem = capture.torch_version_problem(version)
+    if supported:
+        assert problem is None
+    else:
+        assert problem.startswith(f"torch {version} is outside the range bcg-plugin supports (>=2.11,<2.15)"), problem
+        assert "'max_tokens' to 0" in problem
+
+
+def test_the_installed_torch_is_in_the_checked_range():
+    assert capture.torch_version_problem() is None, capture.torch_version_problem()
+
+
+def test_a_capture_under_another_torch_raises_before_any_cuda_call(monkeypatch):
+    monkeypatch.setattr(capture.torch, "__version__", "2.15.0")
+
+    def cuda_call(*args, **kwargs):
+        raise AssertionError("reached CUDA")
+
+    monkeypatch.setattr(capture.torch.cuda, "current_stream", cuda_call)
+    with pytest.raises(BcgVersionError, match=r"torch 2\.15\.0 is outside the range"):
+        capture.capture_segments(cuda_call, pool=_FakePool(), stream=None)
+    assert gc.isenabled()
+
+
+def test_a_runner_under_another_torch_serves_eagerly_and_says_why_in_one_line(monkeypatch, caplog):
+    from bcg_plugin import BcgCaptureError, BcgConfig, Fallback, PrefillGraphRunner, plugin_manager
+
+    monkeypatch.setattr(capture.torch, "__version__", "2.15.0")
+    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32, device="cpu")
+    with caplog.at_level("WARNING", logger="bcg_plugin"):
+        runner.capture(progress=False)
+    [why, *_] = [r.getMessage() for r in caplog.records]
+    assert why.startswith("bcg: prefill graph capture failed: torch 2.15.0 is outside the range") and "\n" not in why
+    assert runner.bucket_for(16) is None and runner.stats.fallbacks == {Fallback.CAPTURE_FAILED.value: 1}
+    strict = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(16,), capture_failure="raise"),
+                                chunk_size=16, device="cpu")
+    with pytest.raises(BcgCaptureError) as info:
+        strict.capture(progress=False)
+    assert isinstance(info.value.__cause__, BcgVersionError)
