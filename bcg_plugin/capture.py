@@ -5,6 +5,9 @@ Entering or leaving a capture either completes or leaves nothing behind: no chan
 leak it), no bound context variable, no half-built graph, gc back on;
 and the original exception propagates unmasked (pitfalls 4, 9, 10).
 
+It leans on ``torch.cuda.graph``'s internals (below), so it captures only under the torch releases
+whose source was checked, :data:`SUPPORTED_TORCH_RANGE`; under any other a capture raises at once.
+
 Every segment is still captured through ``torch.cuda.graph`` (pitfall 13), but only a bucket's
 first segment runs its pre-capture cleanup (device synchronise, ``empty_cache`` and the pinned-host
 cache flush). Between two segments of one bucket only an eager break has run, so there is nothing
@@ -21,12 +24,46 @@ from typing import Any, TypeVar
 
 import torch
 from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment, breakable_graph
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, _capture_scrub, plain_call
+from bcg_plugin.errors import BcgVersionError
 from bcg_plugin.padding import RowScrub
 from bcg_plugin.pool import GraphPool
 
 T = TypeVar("T")
+
+# The torch releases this module and :mod:`bcg_plugin.pool` were checked against, from their source.
+# ``_SegmentGraphContext`` re-implements ``torch.cuda.graph.__enter__`` without its cleanup: the
+# stream context, then ``capture_begin(*pool, capture_error_mode=)``, on the attributes
+# ``stream_ctx``, ``cuda_graph``, ``pool`` and ``capture_error_mode``; torch's ``__exit__`` ends
+# it. Through 2.14 the rest of torch's ``__enter__`` is cleanup, or annotations and input-liveness
+# tracking, which ``breakable_graph`` leaves off. The pool needs ``memory_snapshot(...,
+# include_traces=)``, new in 2.11. A later release may change any of it, so it is refused until
+# checked.
+SUPPORTED_TORCH_RANGE = ">=2.11,<2.15"
+SUPPORTED_TORCH = SpecifierSet(SUPPORTED_TORCH_RANGE)
+
+
+def torch_version_problem(found: str | None = None) -> str | None:
+    """Why bcg cannot capture under torch ``found`` (default: the one imported), or ``None`` if it can."""
+    found = torch.__version__ if found is None else found
+    try:
+        supported = SUPPORTED_TORCH.contains(Version(found), prereleases=True)
+    except InvalidVersion:
+        supported = False
+    if supported:
+        return None
+    return (f"torch {found} is outside the range bcg-plugin supports ({SUPPORTED_TORCH_RANGE}); use an engine "
+            "release built on a torch in that range, or run without bcg (set 'max_tokens' to 0)")
+
+
+def check_torch_version() -> None:
+    """Raise :class:`~bcg_plugin.errors.BcgVersionError` unless the imported torch is in :data:`SUPPORTED_TORCH`."""
+    problem = torch_version_problem()
+    if problem is not None:
+        raise BcgVersionError(problem)
 
 
 class _SegmentGraphContext(torch.cuda.graph):
@@ -124,6 +161,7 @@ def capture_segments(
 
     ``scrub``: the padded rows the segment after each break zeroes in the breaks' outputs.
     """
+    check_torch_version()
     holds = BreakArgumentHolds(pool.contains)
     graph = BreakableCUDAGraph(pool=pool.handle)
     outer_stream = torch.cuda.current_stream()

@@ -48,16 +48,6 @@ def dp_bucket(
     return choose_bucket(buckets, max(num_tokens_across_dp))
 
 
-def agree_dp_bucket(buckets: Sequence[int], local_tokens: int, local_extend: bool, group: Any) -> int | None:
-    """:func:`dp_bucket` for hosts that do not synchronise token counts themselves (one MAX all-reduce)."""
-    if _world_size(group) == 1:
-        return dp_bucket(buckets, [local_tokens], local_extend)
-    t = torch.tensor([local_tokens, 0 if local_extend else 1], dtype=torch.int64)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    max_tokens, any_idle = int(t[0]), bool(t[1])
-    return dp_bucket(buckets, [max_tokens], not any_idle)
-
-
 def first_rank(read_rank: Callable[[], int | None]) -> bool:
     """Whether this process is its tensor-parallel group's first rank, the one that logs, shows
     progress and exports metrics for the group. ``read_rank`` reads the host's rank in the group;

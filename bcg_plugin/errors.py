@@ -19,3 +19,7 @@ class BcgCaptureError(BcgError):
 
 class BcgStateError(BcgError):
     """The runtime was used outside the state it needs (e.g. no live batch bound at a break)."""
+
+
+class BcgVersionError(BcgError):
+    """An installed dependency is outside the versions the runtime was checked against; the message names the range."""

@@ -13,10 +13,10 @@ import torch
 from tqdm.auto import tqdm
 
 from bcg_plugin import live
-from bcg_plugin.capture import SegmentedGraph, capture_segments, default_capture_stream
+from bcg_plugin.capture import SegmentedGraph, capture_segments, check_torch_version, default_capture_stream
 from bcg_plugin.config import BcgConfig
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
-from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgStateError
+from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgError, BcgStateError
 from bcg_plugin.hookspecs import HostBatch, StaticInput
 from bcg_plugin.ladder import choose_bucket, padding_allows, resolve_buckets
 from bcg_plugin.padding import PaddedRows
@@ -113,6 +113,9 @@ class PrefillGraphRunner:
             status = e.status
         except torch.OutOfMemoryError as e:
             status, error = CaptureStatus.OOM, e
+        except BcgError as e:  # raised on purpose: its message says what is wrong and what to do
+            status, error = CaptureStatus.FAILED, e
+            logger.warning("bcg: prefill graph capture failed: %s", e)
         except Exception as e:
             status, error = CaptureStatus.FAILED, e
             # Logged as text: a record holding exc_info would keep the failed frames, and with
@@ -229,6 +232,7 @@ class PrefillGraphRunner:
 
     def _prepare_capture(self) -> torch.cuda.Stream:
         """Static input buffers at the top bucket's size, the padded-row flags, the graph pool, the capture stream."""
+        check_torch_version()  # before any buffer or warm-up: no bucket could capture
         specs: dict[str, StaticInput] = self._hook.bcg_static_inputs()
         if not specs:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")

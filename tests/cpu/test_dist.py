@@ -1,6 +1,9 @@
 """Rank agreement over a real 2-process gloo group: every rank makes the same replay decision."""
 
 import os
+import queue
+import sys
+import time
 
 import pytest
 import torch
@@ -8,9 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
-from bcg_plugin.dist import CaptureStatus, agree_capture_status, agree_dp_bucket, dp_bucket
+from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 
 LADDER = [16, 32, 64, 128]
+RESULT_TIMEOUT_S = 300  # from start to every rank's result: spawn, gloo rendezvous and the test's collectives
+EXIT_TIMEOUT_S = 60  # a rank that reported is gone after a flush and os._exit
 
 
 def _run(world, fn, tmp_path, *args):
@@ -19,12 +24,30 @@ def _run(world, fn, tmp_path, *args):
     procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "rdv"), fn, q, args)) for r in range(world)]
     for p in procs:
         p.start()
-    results = dict(q.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = {}
+    try:
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        exited_early = False  # a rank is gone without a result seen yet: one more look at the queue, then fail
+        while len(results) < world:
+            try:
+                rank, value = q.get(timeout=1)
+            except queue.Empty:
+                died = {r: p.exitcode for r, p in enumerate(procs) if r not in results and p.exitcode is not None}
+                assert not (died and exited_early), f"ranks exited without reporting a result (rank: exit code): {died}"
+                exited_early = bool(died)
+                assert time.monotonic() < deadline, f"no result from ranks {sorted(set(range(world)) - set(results))}"
+                continue
+            results[rank] = value
+        for p in procs:
+            p.join(timeout=EXIT_TIMEOUT_S)
+    finally:
+        for p in procs:  # only after a failure above: a rank stuck in a collective
+            if p.is_alive():
+                p.kill()
+                p.join()
     errors = {r: v for r, v in results.items() if isinstance(v, str) and v.startswith("ERROR")}
     assert not errors, errors
+    assert [p.exitcode for p in procs] == [0] * world
     return [results[r] for r in range(world)]
 
 
@@ -32,15 +55,17 @@ def _worker(rank, world, rdv, fn, q, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
         result = fn(rank, *args)
-        # Tearing gloo down while a peer is still inside its last collective can abort the process
-        # ("terminate called without an active exception"), seen on a loaded two-core machine.
-        dist.barrier()
-        q.put((rank, result))
+        dist.barrier()  # no peer is still inside a collective with this rank when it exits
     except Exception as e:  # reported to the parent, which fails the test
-        q.put((rank, f"ERROR {e!r}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        result = f"ERROR {e!r}"
+    q.put((rank, result))
+    q.close()
+    q.join_thread()  # the result is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Out without tearing gloo down: its teardown can abort the process ("terminate called without
+    # an active exception", seen on a loaded two-core machine) after the result is delivered.
+    os._exit(0)
 
 
 def _capture_vote(rank, failing_rank):
@@ -53,8 +78,18 @@ def _oom_vote(rank):
     return int(agree_capture_status(local, dist.group.WORLD))
 
 
-def _dp_choice(rank, tokens, extend):
-    return agree_dp_bucket(LADDER, tokens[rank], extend[rank], dist.group.WORLD)
+def _fails_on_rank_1(rank, how):
+    if rank == 1 and how == "raises":
+        raise RuntimeError("injected")
+    if rank == 1 and how == "dies":
+        os._exit(3)  # gone without a word, as an aborted process
+    return rank
+
+
+@pytest.mark.parametrize("how, reported", [("raises", "ERROR RuntimeError"), ("dies", "exited without reporting")])
+def test_a_rank_that_fails_or_dies_fails_the_run(tmp_path, how, reported):
+    with pytest.raises(AssertionError, match=reported):
+        _run(2, _fails_on_rank_1, tmp_path, how)
 
 
 @pytest.mark.parametrize("failing_rank", [0, 1, None])
@@ -66,19 +101,6 @@ def test_capture_vote_is_unanimous(tmp_path, failing_rank):
 
 def test_oom_on_one_rank_is_oom_everywhere(tmp_path):
     assert _run(2, _oom_vote, tmp_path) == [CaptureStatus.OOM, CaptureStatus.OOM]
-
-
-@pytest.mark.parametrize(
-    "tokens, extend, expected",
-    [
-        ([10, 40], [True, True], 64),  # bucket from the max over ranks, same on both
-        ([100, 3], [True, True], 128),
-        ([10, 40], [True, False], None),  # an idle/decoding rank: nobody replays
-        ([10, 500], [True, True], None),  # one rank above the top bucket: nobody replays
-    ],
-)
-def test_dp_bucket_uniform_across_ranks(tmp_path, tokens, extend, expected):
-    assert _run(2, _dp_choice, tmp_path, tokens, extend) == [expected, expected]
 
 
 class _InjectedFailure:
@@ -192,7 +214,16 @@ def test_setup_failing_on_one_rank_leaves_every_rank_eager_before_any_bucket(tmp
     assert results == [["eager", []], ["eager", []]]
 
 
-def test_dp_bucket_pure():
-    assert dp_bucket(LADDER, [5, 17], True) == 32
-    assert dp_bucket(LADDER, [5, 17], False) is None
-    assert dp_bucket(LADDER, [], True) is None
+@pytest.mark.parametrize(
+    "tokens, extend, expected",
+    [
+        ([10, 40], True, 64),  # bucket from the max over ranks: the same on every rank
+        ([100, 3], True, 128),
+        ([5, 17], True, 32),
+        ([10, 40], False, None),  # an idle/decoding rank: nobody replays
+        ([10, 500], True, None),  # one rank above the top bucket: nobody replays
+        ([], True, None),
+    ],
+)
+def test_dp_bucket_from_replicated_counts(tokens, extend, expected):
+    assert dp_bucket(LADDER, tokens, extend) == expected

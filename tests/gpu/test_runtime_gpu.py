@@ -16,9 +16,11 @@ import torch
 
 import bcg_plugin.runner as runner_module
 from bcg_plugin import BcgCaptureError, BcgCaptureOOM, BcgConfig, Fallback, PrefillGraphRunner, live, plugin_manager
-from bcg_plugin.breaks import _capture_holds, eager_break
+from bcg_plugin import capture as capture_module
+from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, eager_break
+from bcg_plugin.capture import capture_segments, default_capture_stream
 from bcg_plugin.hookspecs import hookimpl
-from bcg_plugin.pool import free_device_bytes
+from bcg_plugin.pool import GraphPool, free_device_bytes
 from bcg_plugin.testing import QWEN3_0_6B, ToyAdapter, ToyDecoder
 
 pytestmark = pytest.mark.gpu
@@ -144,6 +146,145 @@ def test_capture_a_b_then_replay_a_b_a_with_allocator_churn(model):
             gc.collect()
     finally:
         runner.close()
+
+
+# -- the core's guards against the reference implementations' pitfalls, on capture_segments alone ------
+
+ARG_ROWS, ARG_WIDTH = 64, 256  # a 64 KiB fp32 break argument: a block of the allocator's small pool
+CHURN_TRIES = 4096  # same-size allocations (256 MiB at most) to land on a freed block of that pool
+
+
+@pytest.fixture
+def graph_pool():
+    pool = GraphPool()
+    yield pool
+    pool.release()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _capture_stream() -> torch.cuda.Stream:
+    return default_capture_stream(torch.device("cuda", torch.cuda.current_device()))
+
+
+@eager_break
+def _add_bias(y, bias, out):
+    torch.add(y, bias, out=out)
+
+
+def _replay_after_the_creator_drops_a_break_argument(pool: GraphPool) -> tuple[bool, bool]:
+    """Capture ``out = 2x + bias + 1`` with ``bias`` passed to an eager break: allocated eagerly,
+    outside the pool, by a creator that drops it after the capture. Then allocate blocks of its size
+    (filled with 1e4) until one lands on its address or ``CHURN_TRIES`` run out, and replay.
+    Returns whether the replay matched eager and whether an allocation landed on ``bias``."""
+    with pool.allocating():
+        x = torch.randn(ARG_ROWS, ARG_WIDTH, device="cuda")
+        out = torch.empty_like(x)
+    creator = {"bias": torch.full((ARG_ROWS, ARG_WIDTH), 3.0, device="cuda")}
+    assert not pool.contains(creator["bias"])
+    start = creator["bias"].data_ptr()
+    ref = x * 2 + creator["bias"] + 1
+
+    def body():
+        y = x * 2
+        _add_bias(y, creator["bias"], out)
+        out.add_(1)
+
+    graph, _ = capture_segments(body, pool=pool, stream=_capture_stream())
+    del creator["bias"]  # the creator is done with it; nothing but the runtime may keep it now
+    churn, landed = [], False
+    for _ in range(CHURN_TRIES):
+        churn.append(torch.full((ARG_ROWS, ARG_WIDTH), 1e4, device="cuda"))
+        if churn[-1].data_ptr() == start:
+            landed = True
+            break
+    try:
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        return torch.equal(out, ref), landed
+    finally:
+        graph.release()
+
+
+def test_a_break_argument_from_outside_the_pool_outlives_its_creator(graph_pool, monkeypatch):
+    # Pitfall 2 where the A/B/A test above cannot reach it: the reference decoder's break arguments
+    # are all in the pool or owned by the model, and its churn never lands in the pool.
+    right, landed = _replay_after_the_creator_drops_a_break_argument(graph_pool)
+    assert right and not landed, (right, landed)
+    # Negative control: without the runtime's holds the freed block is handed out again, and the
+    # replayed break reads whatever its new owner wrote there.
+    with monkeypatch.context() as m:
+        m.setattr(BreakArgumentHolds, "keep", lambda self, args, kwargs: None)
+        right, landed = _replay_after_the_creator_drops_a_break_argument(graph_pool)
+    assert landed and not right, (right, landed)
+
+
+class _GcLeftOn:
+    """``capture``'s view of ``gc`` with ``disable`` doing nothing: a capture without pitfall 9's guard."""
+
+    isenabled, enable = staticmethod(gc.isenabled), staticmethod(gc.enable)
+
+    @staticmethod
+    def disable():
+        pass
+
+
+def _collections_during_a_capture_making_cyclic_garbage(pool: GraphPool) -> list[bool]:
+    """Per garbage collection that started while the body ran: whether the stream was capturing."""
+    with pool.allocating():
+        x = torch.randn(ARG_ROWS, ARG_WIDTH, device="cuda")
+    started = []
+
+    def record(phase, info):
+        if phase == "start":
+            started.append(torch.cuda.is_current_stream_capturing())
+
+    def body():
+        y = x * 2
+        for _ in range(5 * max(gc.get_threshold()[0], 1)):  # enough allocations for automatic collections
+            garbage = []
+            garbage.append(garbage)
+        return y + 1
+
+    gc.collect()  # nothing older is left to collect inside the capture (a dead graph would reset there)
+    gc.callbacks.append(record)
+    try:
+        graph, _ = capture_segments(body, pool=pool, stream=_capture_stream())
+    finally:
+        gc.callbacks.remove(record)
+    graph.release()
+    return started
+
+
+def test_no_garbage_collection_runs_inside_a_capture(graph_pool, monkeypatch):
+    assert gc.isenabled() and gc.get_threshold()[0] > 0
+    started = _collections_during_a_capture_making_cyclic_garbage(graph_pool)
+    assert True not in started and gc.isenabled(), started
+    # Negative control: with gc left on, the same body's garbage is collected while capturing.
+    monkeypatch.setattr(capture_module, "gc", _GcLeftOn)
+    started = _collections_during_a_capture_making_cyclic_garbage(graph_pool)
+    assert True in started, started
+
+
+@eager_break
+def _doubled(x):
+    return x * 2  # a new CUDA tensor: nothing owns its block once the break returns
+
+
+def test_a_break_returning_a_cuda_tensor_fails_the_capture(graph_pool, monkeypatch):
+    with graph_pool.allocating():
+        x = torch.randn(ARG_ROWS, ARG_WIDTH, device="cuda")
+    stream_before = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError, match="_doubled.*returns one or more CUDA tensors"):
+        capture_segments(lambda: _doubled(x + 1) + 1, pool=graph_pool, stream=_capture_stream())
+    assert not torch.cuda.is_current_stream_capturing() and torch.cuda.current_stream() == stream_before
+    # Negative control: without the primitive's check the same body captures.
+    import breakable_cuda_graphs
+
+    monkeypatch.setattr(breakable_cuda_graphs, "_is_cuda_tensor", lambda t: False)
+    graph, _ = capture_segments(lambda: _doubled(x + 1) + 1, pool=graph_pool, stream=_capture_stream())
+    graph.release()
 
 
 class _FailingAdapter(ToyAdapter):
