@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 CI_SCRIPT = ROOT / ".ci" / "run"
@@ -208,6 +210,21 @@ def test_ci_runs_the_readme_setup_commands_in_order():
     positions = [next((i for i, line in enumerate(ci) if command in line), None) for command in commands]
     assert None not in positions, f".ci/run does not run every README set-up command: {commands}"
     assert positions == sorted(positions), ".ci/run runs the README's set-up commands out of order"
+
+
+def test_a_run_names_the_modules_it_skipped_in_one_line(pytester):
+    """The README promises that a run without a host engine says what it skipped, and why."""
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text())
+    pytester.makepyfile(
+        test_whole="import pytest\npytest.importorskip('bcg_no_such_host')\ndef test_a(): pass\n",
+        test_part="import pytest\ndef test_b():\n    pytest.importorskip('bcg_no_such_host')\n"
+                  "def test_c():\n    pytest.importorskip('bcg_no_such_host')\ndef test_d(): pass\n",
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=3)
+    lines = [line for line in result.outlines if line.startswith("skipped modules")]
+    assert lines == ["skipped modules, by reason: bcg_no_such_host not installed: "
+                     "test_part.py (2 tests), test_whole.py (whole module)"]
 
 
 # The checkers above must be able to fail: each one is shown a page with the fault it looks for.
