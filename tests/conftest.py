@@ -36,6 +36,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def _skip_reason(report) -> str:
+    """A skip's reason, shortened to what the summary line needs ("vllm not installed")."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    missing = re.match(r"could not import '([^']+)'", reason)
+    if missing:
+        return f"{missing.group(1)} not installed"
+    return reason.split(";")[0].split(" (")[0]
+
+
+def skipped_modules_line(skipped_reports) -> str | None:
+    """One line naming the test modules skipped, grouped by reason: a run on a machine without a
+    host engine or a GPU says what it left out, rather than passing quietly with less coverage."""
+    by_reason: dict[str, dict[str, int | None]] = {}
+    for report in skipped_reports:
+        if getattr(report, "when", "collect") not in ("collect", "setup", "call"):
+            continue
+        module = report.nodeid.split("::")[0] or str(report.fspath)
+        modules = by_reason.setdefault(_skip_reason(report), {})
+        if "::" not in report.nodeid:
+            modules[module] = None  # skipped at import: the whole module
+        elif modules.get(module, 0) is not None:
+            modules[module] = (modules.get(module) or 0) + 1
+    if not by_reason:
+        return None
+    parts = []
+    for reason, modules in sorted(by_reason.items()):
+        named = [f"{m} (whole module)" if n is None else f"{m} ({n} test{'s' if n > 1 else ''})"
+                 for m, n in sorted(modules.items())]
+        parts.append(f"{reason}: {', '.join(named)}")
+    return "skipped modules, by reason: " + "; ".join(parts)
+
+
+def pytest_terminal_summary(terminalreporter):
+    line = skipped_modules_line(terminalreporter.stats.get("skipped", []))
+    if line:
+        terminalreporter.write_line(line)
+
+
 @pytest.fixture
 def gpu_test_module():
     """Loads ``tests/gpu/<name>.py`` as a module for CPU tests of its engine-free parts (its
