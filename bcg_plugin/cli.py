@@ -1,8 +1,9 @@
 """The ``bcg`` command: ``bcg doctor``, ``bcg config-reference`` and ``bcg bench ...``.
 
-``bcg bench`` is the benchmark, a package of its own (:mod:`bcg_bench`, the ``bench`` extra): its
-commands and arguments are defined there and imported only when ``bcg bench`` is asked for, so
-``bcg --help``, ``bcg --version`` and ``bcg config-reference`` import neither it nor torch.
+``bcg bench`` is the benchmark, a package of its own (the ``bench`` extra) that adds its commands
+through the ``bcg.commands`` entry-point group, loaded only when ``bcg bench`` is asked for: the
+runtime never imports the benchmark, and ``bcg --help``, ``bcg --version`` and ``bcg
+config-reference`` import neither it nor torch.
 
 Bad input ends in one line on stderr, ``PROG: error: ...``, and exit status 2 (argparse's); a
 command that cannot run here (a missing package, no GPU) in one line and exit status 1.
@@ -13,6 +14,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
+
+
+COMMANDS_GROUP = "bcg.commands"  # entry points adding subcommands: name -> add_commands(subparser)
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,9 +66,11 @@ def build_parser(argv: list[str]) -> Parser:
                            description="Benchmark bcg against each host's own modes (needs the bench extra: "
                                        "pip install \"bcg-plugin[bench]\").")
     if argv[:1] == ["bench"]:
-        from bcg_bench.cli import add_commands
-
-        add_commands(bench)
+        add_commands = [ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP) if ep.name == "bench"]
+        if not add_commands:
+            parser.exit(1, "bcg bench: error: the benchmark is not installed; install it with "
+                           "pip install \"bcg-plugin[bench]\" (from a checkout: pip install \".[bench]\")\n")
+        add_commands[0].load()(bench)
     return parser
 
 

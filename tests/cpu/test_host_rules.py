@@ -3,6 +3,7 @@ and the fault seam the negative controls go through."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 
@@ -83,3 +84,16 @@ def test_a_fault_module_that_does_not_import_is_named(fresh_faults, monkeypatch)
     monkeypatch.setenv(faults.FAULTS_ENV, "bcg_no_such_fault_plugin")
     with pytest.raises(BcgConfigError, match="BCG_TEST_FAULTS='bcg_no_such_fault_plugin': cannot import"):
         faults.active()
+
+
+@pytest.mark.parametrize("host", ["vllm", "sglang"])
+def test_the_version_gate_refuses_a_torch_outside_the_checked_range(host, monkeypatch):
+    pytest.importorskip(host)
+    import torch
+
+    gate = importlib.import_module(f"bcg_plugin.adapters.{host}.version")
+    if version_problem(host, gate.SUPPORTED, gate.installed()) is not None:
+        pytest.skip(f"the installed {host} is not one bcg supports")
+    assert gate.problem() is None  # the host's own version passes, torch as installed here
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    assert "torch 2.15.0 is outside the range" in gate.problem()

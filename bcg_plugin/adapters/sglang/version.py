@@ -17,5 +17,8 @@ def supported() -> str:
 
 
 def problem() -> str | None:
-    """Why the installed SGLang is not patched, or ``None`` if it is supported."""
-    return version_problem(HOST, SUPPORTED, installed())
+    """Why the installed SGLang is not patched, or ``None`` if it is supported: its version, then the
+    torch it runs on (the capture relies on torch internals checked per release)."""
+    from bcg_plugin.capture import torch_version_problem
+
+    return version_problem(HOST, SUPPORTED, installed()) or torch_version_problem()

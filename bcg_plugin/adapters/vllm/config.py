@@ -27,11 +27,11 @@ def raw_bcg_config(vllm_config: Any) -> Any:
 
 # Where vLLM's defaults differ from the core's. ``first_bucket`` brings the whole capture under
 # vLLM's own; the 200-prompt GPU tests and their negative control pass under it on both runners
-# and both attention backends (benchmarks/results/logs/vllm-gpu-tests-first-bucket-*.log).
+# and both attention backends (docs/validation.md).
 # ``torch_compile``: enabling bcg keeps the compilation vLLM is configured with (its default -O2
 # compiles; -O0 does not), so bcg replays the compiler's fused kernels where prefill is GPU-bound;
 # ``false`` turns it off for a shorter start. Its engine tests (one GPU, TP 2, DP 2), a 600 s soak
-# and the benchmarks ran with it (vllm-soak-torch-compile-2026-11-30.log, vllm-qwen3-0.6b-*T2048Z.md).
+# and the benchmarks ran with it (docs/validation.md, docs/benchmarks.md).
 VLLM_DEFAULTS = {"warmup": "first_bucket", "torch_compile": True}
 
 
