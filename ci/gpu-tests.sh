@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suites, on a machine with a CUDA device and the host engine importable (CI has no GPU, so
-# these run by hand). Each suite's output goes to LOGDIR/<suite>.log, headed by what ran where.
+# these run by hand; GIT_COMMIT names the commit where the tree has no git). Each suite's output goes to LOGDIR/<suite>.log, headed by what ran where.
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
 #   suites: core, vllm, vllm-compile, vllm-step-limit, sglang, metrics
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
 mkdir -p "$logdir"
-commit="$(git rev-parse --short HEAD 2>/dev/null || echo "${BCG_COMMIT:-unknown}")"
+commit="${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 rc=0
 for suite in "$@"; do
     case "$suite" in
