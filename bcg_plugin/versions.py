@@ -31,3 +31,11 @@ def version_problem(host: str, supported: SpecifierSet | str, found: str | None)
     if parsed not in SpecifierSet(str(supported)):
         return f"{host} {found} is outside the range bcg-plugin supports ({format_range(supported)})"
     return None
+
+
+def host_problem(host: str, supported: SpecifierSet | str, found: str | None) -> str | None:
+    """Why bcg-plugin does not patch ``host`` at version ``found``, or ``None`` when it does: the host's
+    version first, then the torch it runs on (the capture relies on torch internals checked per release)."""
+    from bcg_plugin.capture import torch_version_problem
+
+    return version_problem(host, supported, found) or torch_version_problem()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bcg_plugin.doctor import installed_version
 from bcg_plugin.patches.vllm import HOST, SUPPORTED
-from bcg_plugin.versions import format_range, version_problem
+from bcg_plugin.versions import format_range, host_problem
 
 
 def installed() -> str | None:
@@ -17,8 +17,5 @@ def supported() -> str:
 
 
 def problem() -> str | None:
-    """Why the installed vLLM is not patched, or ``None`` if it is supported: its version, then the
-    torch it runs on (the capture relies on torch internals checked per release)."""
-    from bcg_plugin.capture import torch_version_problem
-
-    return version_problem(HOST, SUPPORTED, installed()) or torch_version_problem()
+    """Why the installed vLLM is not patched, or ``None`` if it is supported."""
+    return host_problem(HOST, SUPPORTED, installed())
