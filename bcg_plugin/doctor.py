@@ -18,7 +18,7 @@ import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
@@ -89,6 +89,19 @@ class AdapterReport:
     @property
     def compatible(self) -> bool:
         return self.installed and not self.problems
+
+    def verify_targets(self, patches: Iterable[Any], calls: Mapping[str, Any]) -> None:
+        """Check every patch's host target without patching it, recording each target and, for one that
+        changed, a problem; ``calls`` is what the patches call in the adapter."""
+        from bcg_plugin.patches import PatchTargetError
+
+        for patch in patches:
+            try:
+                patch.verify(calls)
+                self.targets.append((patch.target, None))
+            except PatchTargetError as e:
+                self.targets.append((patch.target, str(e)))
+                self.problems.append(f"patch target changed: {e}")
 
 
 def installed_version(dist: str) -> str | None:

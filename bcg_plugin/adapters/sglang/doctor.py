@@ -15,7 +15,6 @@ from bcg_plugin.faults import FAULTS_ENV
 def diagnose() -> AdapterReport:
     from bcg_plugin.adapters.sglang import config, version
     from bcg_plugin.adapters.sglang.plugin import _patch_set, calls
-    from bcg_plugin.patches import PatchTargetError
 
     report = AdapterReport("sglang", version.installed(), version.supported(),
                            enable_hint=f"--cuda-graph-backend-prefill {config.FLAG_VALUE} (or BCG_ENABLE=1)",
@@ -25,14 +24,7 @@ def diagnose() -> AdapterReport:
     problem = version.problem()
     if problem is not None:
         report.problems.append(problem)
-    handed = calls()
-    for patch in _patch_set(runtime=True):
-        try:
-            patch.verify(handed)
-            report.targets.append((patch.target, None))
-        except PatchTargetError as e:
-            report.targets.append((patch.target, str(e)))
-            report.problems.append(f"patch target changed: {e}")
+    report.verify_targets(_patch_set(runtime=True), calls())
     return report
 
 
@@ -40,9 +32,9 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     """The environment validated as SGLang's start does (:func:`~bcg_plugin.adapters.sglang.config.read_config`,
     the adapter's own keys included); ``--config`` JSON, which SGLang cannot be given, and ``BCG_*``
     variables it does not read are named as ignored."""
-    from bcg_plugin.adapters.sglang import config as settings
+    from bcg_plugin.adapters.sglang import config
 
-    known = config_env_names() | {settings.STATS_INTERVAL_ENV, FAULTS_ENV}
+    known = config_env_names() | {config.STATS_INTERVAL_ENV, FAULTS_ENV}
     ignored = [unknown_env_key(name, known) for name in sorted(environ)
                if name.startswith(ENV_PREFIX) and name not in known]
     if isinstance(raw, dict):
@@ -52,6 +44,6 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
         ignored.append("--config (SGLang reads BCG_* environment variables, not JSON)")
     source = "the BCG_* environment"
     try:
-        return ConfigCheck(source, config=settings.read_config(environ), ignored=ignored)
+        return ConfigCheck(source, config=config.read_config(environ), ignored=ignored)
     except BcgConfigError as e:
         return ConfigCheck(source, error=str(e), ignored=ignored)

@@ -20,7 +20,6 @@ from bcg_plugin.faults import FAULTS_ENV
 def diagnose() -> AdapterReport:
     from bcg_plugin.adapters.vllm import version
     from bcg_plugin.adapters.vllm.plugin import calls
-    from bcg_plugin.patches import PatchTargetError
     from bcg_plugin.patches.vllm import ALL
 
     report = AdapterReport("vllm", version.installed(), version.supported(),
@@ -39,13 +38,7 @@ def diagnose() -> AdapterReport:
                         "plain model)")
     if METRICS_ENV not in os.environ:
         report.notes.append(METRICS_NOTE)
-    for patch in ALL:
-        try:
-            patch.verify(calls())
-            report.targets.append((patch.target, None))
-        except PatchTargetError as e:
-            report.targets.append((patch.target, str(e)))
-            report.problems.append(f"patch target changed: {e}")
+    report.verify_targets(ALL, calls())
     return report
 
 
