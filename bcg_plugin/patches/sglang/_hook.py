@@ -40,6 +40,18 @@ def _chain_has(fn: Any, hook: Callable[..., Any]) -> bool:
     return False
 
 
+def refusing_hook(capturing: Callable[[], bool], refuse: Callable[[str], Any], what: str) -> Callable[..., Any]:
+    """An AROUND hook that fails bcg's capture (``refuse(what)``) while ``capturing()``, and otherwise
+    passes the call through: for host ops bcg's break cannot route, which must not be baked into a graph."""
+
+    def around_refused_op(original_fn, *args, **kwargs):
+        if capturing():
+            refuse(what)
+        return original_fn(*args, **kwargs)
+
+    return around_refused_op
+
+
 @dataclasses.dataclass(frozen=True)
 class Hook(Strategy):
     """A hook registered with SGLang's ``HookRegistry`` (``make(**calls)`` returns the hook).

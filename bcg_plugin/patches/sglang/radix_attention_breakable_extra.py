@@ -7,19 +7,14 @@ such models (Inkling and similar) eager instead of capturing their attention inl
 from __future__ import annotations
 
 from bcg_plugin.patches._patch import NOT_FILED, Patch
-from bcg_plugin.patches.sglang._hook import Hook
+from bcg_plugin.patches.sglang._hook import Hook, refusing_hook
 from bcg_plugin.patches.sglang._op_signature import check_op
 
 TARGET = "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs"
 
 
 def make(*, capturing, refuse):
-    def around_breakable_attention_extra(original_fn, *args, **kwargs):
-        if capturing():
-            refuse("attention with score_mod/aux_tensors/descale kwargs")
-        return original_fn(*args, **kwargs)
-
-    return around_breakable_attention_extra
+    return refusing_hook(capturing, refuse, "attention with score_mod/aux_tensors/descale kwargs")
 
 
 PATCH = Patch(

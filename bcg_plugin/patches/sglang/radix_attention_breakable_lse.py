@@ -8,19 +8,14 @@ slips through into a capture failure (eager on every rank) instead of attention 
 from __future__ import annotations
 
 from bcg_plugin.patches._patch import NOT_FILED, Patch
-from bcg_plugin.patches.sglang._hook import Hook
+from bcg_plugin.patches.sglang._hook import Hook, refusing_hook
 from bcg_plugin.patches.sglang._op_signature import check_op
 
 TARGET = "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse"
 
 
 def make(*, capturing, refuse):
-    def around_breakable_attention_lse(original_fn, *args, **kwargs):
-        if capturing():
-            refuse("attention returning log-sum-exp (chunked-prefix MHA)")
-        return original_fn(*args, **kwargs)
-
-    return around_breakable_attention_lse
+    return refusing_hook(capturing, refuse, "attention returning log-sum-exp (chunked-prefix MHA)")
 
 
 PATCH = Patch(
