@@ -185,11 +185,15 @@ def _patch_graph_replay(graphs):
     atexit.register(report)
 
 
-class _GraphsFinder(importlib.abc.MetaPathFinder):
-    """Patches ``torch.cuda.graphs`` right after it is first imported."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after module ``name`` is first imported (and then leaves the import path)."""
+
+    def __init__(self, name, patch):
+        self.name = name
+        self.patch = patch
 
     def find_spec(self, name, path, target=None):
-        if name != "torch.cuda.graphs":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -197,25 +201,7 @@ class _GraphsFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            _patch_graph_replay(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-class _RunnerFinder(importlib.abc.MetaPathFinder):
-    """Patches ``bcg_plugin.runner`` right after it is first imported."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "bcg_plugin.runner":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            _patch_runner()
+            self.patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -223,6 +209,6 @@ class _RunnerFinder(importlib.abc.MetaPathFinder):
 
 if any(os.environ.get(k) for k in ("EXP_SHARED_POOL", "EXP_POOL_DUMP", "EXP_POOL_RESERVE", "EXP_SEGMENT_DUMP",
                                         "EXP_NO_SCRUB")):
-    sys.meta_path.insert(0, _RunnerFinder())
+    sys.meta_path.insert(0, _AfterImport("bcg_plugin.runner", lambda module: _patch_runner()))
 if os.environ.get("EXP_REPLAY_TIMER"):
-    sys.meta_path.insert(0, _GraphsFinder())
+    sys.meta_path.insert(0, _AfterImport("torch.cuda.graphs", _patch_graph_replay))
