@@ -77,6 +77,28 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture
+def vllm_plugin_off():
+    """The vLLM adapter unregistered, with no launch warning remembered, before the test and after it."""
+    from bcg_plugin.adapters.vllm import launch, plugin
+
+    plugin.unregister()
+    launch._logged.clear()
+    yield
+    plugin.unregister()
+    launch._logged.clear()
+
+
+@pytest.fixture(scope="module")
+def vllm_model_config():
+    """vLLM's ``ModelConfig`` for the small test model (no tokenizer); shared by a module's tests."""
+    from vllm.config import ModelConfig
+
+    from bcg_bench.models import model_dir
+
+    return ModelConfig(model=str(model_dir("qwen3-0.6b")), skip_tokenizer_init=True)
+
+
+@pytest.fixture
 def gpu_test_module():
     """Loads ``tests/gpu/<name>.py`` as a module for CPU tests of its engine-free parts (its
     neighbours importable while it loads, as under pytest)."""

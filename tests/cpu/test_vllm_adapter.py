@@ -17,31 +17,13 @@ from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Wra
 from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER  # noqa: E402
 from bcg_plugin import LiveBatch, live  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_plugin_off")]
 
 
-@pytest.fixture(autouse=True)
-def clean_plugin_state():
-    plugin.unregister()
-    launch._logged.clear()
-    yield
-    plugin.unregister()
-    launch._logged.clear()
-
-
-@pytest.fixture(scope="module")
-def model_config():
-    from vllm.config import ModelConfig
-
-    from bcg_bench.models import model_dir
-
-    return ModelConfig(model=str(model_dir("qwen3-0.6b")), skip_tokenizer_init=True)
-
-
-def make_config(model_config, **kwargs):
+def make_config(vllm_model_config, **kwargs):
     from vllm.config import DeviceConfig, VllmConfig
 
-    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"), **kwargs)
+    return VllmConfig(model_config=vllm_model_config, device_config=DeviceConfig(device="cpu"), **kwargs)
 
 
 def bcg_records(caplog):
@@ -69,29 +51,29 @@ def test_entry_point_is_declared_and_loads_register():
     assert ours[0].load() is plugin.register
 
 
-def test_register_is_reentrant_and_harmless_when_not_enabled(model_config, caplog):
+def test_register_is_reentrant_and_harmless_when_not_enabled(vllm_model_config, caplog):
     from vllm.config import VllmConfig
 
-    before = make_config(model_config).compilation_config
+    before = make_config(vllm_model_config).compilation_config
     original_post_init = VllmConfig.__dict__["__post_init__"]
     with caplog.at_level(logging.DEBUG, logger="vllm.bcg"):
         plugin.register()
         plugin.register()
-        after = make_config(model_config).compilation_config
+        after = make_config(vllm_model_config).compilation_config
     assert VllmConfig.__dict__["__post_init__"].__bcg_patch__ is original_post_init  # wrapped once
     assert (after.mode, after.cudagraph_mode) == (before.mode, before.cudagraph_mode)
     assert not RUNNER.applied and not any(is_patched(p) for p in RUNNER.patches)
     assert bcg_records(caplog) == []
 
 
-def test_runner_patches_wait_for_a_config_that_enables_bcg(model_config):
+def test_runner_patches_wait_for_a_config_that_enables_bcg(vllm_model_config):
     plugin.register()
-    assert plugin.arm_runner_patches(make_config(model_config)) is False
+    assert plugin.arm_runner_patches(make_config(vllm_model_config)) is False
     assert not any(is_patched(p) for p in RUNNER.patches)
-    enabled = make_config(model_config, additional_config={"bcg": {"enable": True}})
+    enabled = make_config(vllm_model_config, additional_config={"bcg": {"enable": True}})
     assert plugin.arm_runner_patches(enabled) is True
     assert all(is_patched(p) for p in RUNNER.patches)
-    assert plugin.runs_bcg(enabled) and not plugin.runs_bcg(make_config(model_config))
+    assert plugin.runs_bcg(enabled) and not plugin.runs_bcg(make_config(vllm_model_config))
 
 
 # -- patch targets -------------------------------------------------------------------------------
@@ -151,10 +133,10 @@ def test_patch_sets_apply_and_unapply_cleanly():
     ({"enable": True, "warmup": "never"}, "warmup"),
     ({"enable": True, "torch_compile": "maybe"}, "torch_compile"),
 ])
-def test_config_errors_name_the_key(model_config, raw, key):
+def test_config_errors_name_the_key(vllm_model_config, raw, key):
     plugin.register()
     with pytest.raises(ValueError) as err:
-        make_config(model_config, additional_config={"bcg": raw})
+        make_config(vllm_model_config, additional_config={"bcg": raw})
     assert "additional_config['bcg']" in str(err.value)
     assert key in str(err.value)
 
@@ -171,7 +153,7 @@ def test_vllm_warmup_default_sits_under_the_users_keys(raw, warmup):
     assert "warmup" not in raw or raw["warmup"] == warmup
 
 
-def test_enabling_keeps_vllms_compilation_unless_torch_compile_is_false(model_config, caplog):
+def test_enabling_keeps_vllms_compilation_unless_torch_compile_is_false(vllm_model_config, caplog):
     from vllm.config.compilation import CompilationMode
 
     from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
@@ -179,28 +161,28 @@ def test_enabling_keeps_vllms_compilation_unless_torch_compile_is_false(model_co
     plugin.register()
     launch._logged.clear()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        default = make_config(model_config, additional_config={"bcg": {"enable": True}})
-    assert default.compilation_config.mode == make_config(model_config).compilation_config.mode
+        default = make_config(vllm_model_config, additional_config={"bcg": {"enable": True}})
+    assert default.compilation_config.mode == make_config(vllm_model_config).compilation_config.mode
     assert default.compilation_config.mode == CompilationMode.VLLM_COMPILE and prefill_graphs_wanted(default)
     [line] = [r.getMessage() for r in bcg_records(caplog) if "prefill graphs enabled" in r.getMessage()]
     assert "-> NONE" not in line and "'torch_compile': True" in line
     launch._logged.clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        off = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
+        off = make_config(vllm_model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
     assert off.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(off)
     [line] = [r.getMessage() for r in bcg_records(caplog) if "prefill graphs enabled" in r.getMessage()]
     assert "-> NONE" in line and launch.COMPILE_HINT in line
 
 
-def test_at_o0_bcg_captures_the_plain_model_whatever_torch_compile_says(model_config):
+def test_at_o0_bcg_captures_the_plain_model_whatever_torch_compile_says(vllm_model_config):
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode
 
     from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 
     plugin.register()
-    cfg = make_config(model_config, compilation_config=CompilationConfig(mode=CompilationMode.NONE),
+    cfg = make_config(vllm_model_config, compilation_config=CompilationConfig(mode=CompilationMode.NONE),
                       additional_config={"bcg": {"enable": True}})
     assert cfg.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(cfg)
 
@@ -211,32 +193,32 @@ def test_at_o0_bcg_captures_the_plain_model_whatever_torch_compile_says(model_co
     ("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE", False), ("PIECEWISE", "PIECEWISE", False), ("FULL", "FULL", False),
 ])
 @pytest.mark.parametrize("torch_compile", [False, True])
-def test_launch_flags_keep_decode_graphs_and_never_change_a_mode_the_user_set(model_config, user_mode, expected,
+def test_launch_flags_keep_decode_graphs_and_never_change_a_mode_the_user_set(vllm_model_config, user_mode, expected,
                                                                                runs, torch_compile):
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     cc = CompilationConfig(cudagraph_mode=None if user_mode is None else CUDAGraphMode[user_mode])
     cfg = types.SimpleNamespace(additional_config={"bcg": {"enable": True, "torch_compile": torch_compile}},
-                                compilation_config=cc, model_config=model_config)
+                                compilation_config=cc, model_config=vllm_model_config)
     launch.configure_engine(cfg)
     # vLLM's default compilation mode applies later; bcg sets NONE only where it runs without torch.compile.
     assert cc.mode == (CompilationMode.NONE if runs and not torch_compile else None)
     assert cc.cudagraph_mode == CUDAGraphMode[expected]
 
 
-def test_torch_compile_keeps_vllms_piecewise_compilation(model_config):
+def test_torch_compile_keeps_vllms_piecewise_compilation(vllm_model_config):
     from vllm.config.compilation import CompilationMode
 
     from bcg_plugin.adapters.vllm.config import ATTENTION_OP, prefill_graphs_wanted
 
     plugin.register()
-    cfg = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": True}})
+    cfg = make_config(vllm_model_config, additional_config={"bcg": {"enable": True, "torch_compile": True}})
     cc = cfg.compilation_config
     assert cc.mode == CompilationMode.VLLM_COMPILE  # (cudagraph_mode: vLLM's CPU platform turns graphs off)
     assert ATTENTION_OP in cc.splitting_ops  # attention stays a call between compiled pieces: the break
     assert prefill_graphs_wanted(cfg)
-    plain = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
+    plain = make_config(vllm_model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
     assert plain.compilation_config.mode == CompilationMode.NONE and prefill_graphs_wanted(plain)
 
 
@@ -245,14 +227,14 @@ def test_torch_compile_keeps_vllms_piecewise_compilation(model_config):
     ({"mode": 3, "use_inductor_graph_partition": True}, "use_inductor_graph_partition"),
     ({"mode": 3, "splitting_ops": []}, "splitting_ops without vllm::unified_attention_with_output"),
 ])
-def test_torch_compile_layouts_bcg_cannot_capture_stay_off(model_config, caplog, compilation, reason):
+def test_torch_compile_layouts_bcg_cannot_capture_stay_off(vllm_model_config, caplog, compilation, reason):
     from vllm.config import CompilationConfig
 
     from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 
     plugin.register()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        cfg = make_config(model_config, compilation_config=CompilationConfig(**compilation),
+        cfg = make_config(vllm_model_config, compilation_config=CompilationConfig(**compilation),
                           additional_config={"bcg": {"enable": True, "torch_compile": True}})
     records = bcg_records(caplog)
     assert len(records) == 1 and records[0].levelno == logging.WARNING and reason in records[0].getMessage()
@@ -267,7 +249,7 @@ def test_torch_compile_layouts_bcg_cannot_capture_stay_off(model_config, caplog,
     ({"parallel_config": types.SimpleNamespace(data_parallel_size=2, enable_expert_parallel=True,
                                                all2all_backend="deepep_high_throughput")}, "DeepEP high-throughput"),
 ])
-def test_unsupported_setups_log_one_line_and_change_nothing(model_config, caplog, extra, reason):
+def test_unsupported_setups_log_one_line_and_change_nothing(vllm_model_config, caplog, extra, reason):
     from vllm.config import CompilationConfig
 
     mc = types.SimpleNamespace(**{"enforce_eager": False, **{k: v for k, v in extra.items() if k == "enforce_eager"}})
@@ -288,7 +270,7 @@ def _nothing_patched() -> bool:
     return not any(is_patched(p) for p in ALL)
 
 
-def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog, model_config):
+def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog, vllm_model_config):
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
     from vllm.platforms import current_platform
 
@@ -299,7 +281,7 @@ def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplo
         plugin.register()
         plugin.register()
         # torch_compile false: the config that, acted on, changes both modes (NONE, FULL_DECODE_ONLY).
-        cfg = make_config(model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
+        cfg = make_config(vllm_model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
     records = bcg_records(caplog)
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     assert "0.27.0" in records[0].getMessage()
@@ -670,11 +652,11 @@ class _Host:
 
 
 @pytest.mark.parametrize("prompt_embeds", [False, True])
-def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_config, prompt_embeds, monkeypatch):
+def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(vllm_model_config, prompt_embeds, monkeypatch):
     from bcg_plugin.adapters.vllm.host import EagerEmbedding
     from bcg_plugin import HostBatch, plugin_manager
 
-    config = make_config(model_config)
+    config = make_config(vllm_model_config)
     monkeypatch.setattr(config.model_config, "enable_prompt_embeds", prompt_embeds)  # the model config is shared
     host = _Host(_TextModel(), config)
     statics = host.bcg_static_inputs()
@@ -693,10 +675,10 @@ def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(model_conf
     assert batch.payload == ("ctx", 4) and host.capture_contexts[4] == ("ctx", 4)
 
 
-def test_graphs_read_the_runners_persistent_input_buffers_in_place(model_config, monkeypatch):
+def test_graphs_read_the_runners_persistent_input_buffers_in_place(vllm_model_config, monkeypatch):
     from bcg_plugin.adapters.vllm.host import V1Host
 
-    config = make_config(model_config)
+    config = make_config(vllm_model_config)
     monkeypatch.setattr(config.model_config, "enable_prompt_embeds", False)  # the model config is shared
     ids, positions = torch.zeros(64, dtype=torch.int32), torch.zeros(64, dtype=torch.int64)
     # V1 0.26: input_ids is a CPU/GPU buffer pair, positions a plain tensor.
@@ -718,7 +700,8 @@ def test_graphs_read_the_runners_persistent_input_buffers_in_place(model_config,
 
 
 @pytest.mark.parametrize("num_tokens, seq_len", [(2048, 2048), (8192, 8192), (16384, 8192)])
-def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_config, monkeypatch, num_tokens, seq_len):
+def test_v1_capture_batches_keep_sequence_lengths_within_the_context(vllm_model_config, monkeypatch, num_tokens,
+                                                                      seq_len):
     """V1's _dummy_run gives every request the whole batch as its sequence length unless told otherwise:
     above max_model_len, attention's reads overrun the block table (a chunk of 16384 at max_model_len
     8192 ended the process with an illegal memory access)."""
@@ -729,7 +712,7 @@ def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_confi
 
     from bcg_plugin.adapters.vllm.host import V1Host
 
-    config = make_config(model_config)
+    config = make_config(vllm_model_config)
     monkeypatch.setattr(config.model_config, "max_model_len", 8192)  # the model config is shared
     assert "profile_seq_lens" in inspect.signature(GPUModelRunner._dummy_run).parameters
     calls = []
@@ -753,16 +736,16 @@ def test_v1_capture_batches_keep_sequence_lengths_within_the_context(model_confi
     (64, 8704, 16384, 16384),  # the GPU test's engines at vLLM's default chunk for LLM on an H200
     (256, 8192, 2048, 2048),
 ])
-def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(model_config, monkeypatch, caplog,
+def test_the_ladder_stops_at_the_most_tokens_a_step_can_schedule(vllm_model_config, monkeypatch, caplog,
                                                                 max_num_seqs, max_model_len, chunk, top):
     from vllm.config import SchedulerConfig
 
     from bcg_plugin.adapters.vllm import replay as graphs
 
-    monkeypatch.setattr(model_config, "max_model_len", max_model_len)  # the model config is shared
+    monkeypatch.setattr(vllm_model_config, "max_model_len", max_model_len)  # the model config is shared
     scheduler = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, is_encoder_decoder=False)
-    config = make_config(model_config, scheduler_config=scheduler, additional_config={"bcg": {"enable": True}})
+    config = make_config(vllm_model_config, scheduler_config=scheduler, additional_config={"bcg": {"enable": True}})
     assert (config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs) == (chunk,
                                                                                                        max_num_seqs)
     chunk_sizes = []

@@ -8,9 +8,8 @@ final ``cudagraph_mode`` is the one an engine would run with.
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import logging
 import types
 
@@ -31,33 +30,19 @@ UNSUPPORTED_BACKENDS = ["FLEX_ATTENTION", "FLASHINFER"]
 
 
 @pytest.fixture(autouse=True)
-def registered(monkeypatch):
+def registered(monkeypatch, vllm_plugin_off):
     from vllm.platforms import current_platform
 
     monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
-    plugin.unregister()
-    launch._logged.clear()
     plugin.register()
-    yield
-    plugin.unregister()
-    launch._logged.clear()
 
 
-@pytest.fixture(scope="module")
-def model_config():
-    from vllm.config import ModelConfig
-
-    from bcg_bench.models import model_dir
-
-    return ModelConfig(model=str(model_dir("qwen3-0.6b")), skip_tokenizer_init=True)
-
-
-def engine_config(model_config, bcg=None, **kwargs):
+def engine_config(vllm_model_config, bcg=None, **kwargs):
     """The engine config vLLM builds for these arguments (``bcg``: additional_config['bcg'])."""
     from vllm.config import DeviceConfig, VllmConfig
 
     extra = {"additional_config": {"bcg": bcg}} if bcg is not None else {}
-    return VllmConfig(model_config=model_config, device_config=DeviceConfig(device="cpu"), **extra, **kwargs)
+    return VllmConfig(model_config=vllm_model_config, device_config=DeviceConfig(device="cpu"), **extra, **kwargs)
 
 
 def modes(vllm_config):
@@ -74,9 +59,9 @@ def bcg_warnings(caplog):
 
 
 @pytest.mark.parametrize("torch_compile, mode", [(True, "VLLM_COMPILE"), (False, "NONE")])
-def test_an_eligible_engine_gets_decode_only_graphs_and_bcg_runs(model_config, torch_compile, mode):
-    plain = engine_config(model_config)
-    cfg = engine_config(model_config, {"enable": True, "torch_compile": torch_compile})
+def test_an_eligible_engine_gets_decode_only_graphs_and_bcg_runs(vllm_model_config, torch_compile, mode):
+    plain = engine_config(vllm_model_config)
+    cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": torch_compile})
     assert modes(plain)["cudagraph_mode"] == "FULL_AND_PIECEWISE" and modes(plain)["mode"] == "VLLM_COMPILE"
     assert (modes(cfg)["mode"], modes(cfg)["cudagraph_mode"]) == (mode, "FULL_DECODE_ONLY")
     assert prefill_graphs_wanted(cfg)
@@ -120,11 +105,11 @@ DECLINED = {
 
 @pytest.mark.parametrize("torch_compile", [True, False])
 @pytest.mark.parametrize("cause", list(DECLINED))
-def test_a_declined_engine_keeps_vllms_modes_and_says_so_once(model_config, caplog, cause, torch_compile):
+def test_a_declined_engine_keeps_vllms_modes_and_says_so_once(vllm_model_config, caplog, cause, torch_compile):
     make, reason = DECLINED[cause]
-    plain = engine_config(model_config, **make())
+    plain = engine_config(vllm_model_config, **make())
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        cfg = engine_config(model_config, {"enable": True, "torch_compile": torch_compile}, **make())
+        cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": torch_compile}, **make())
     assert modes(cfg) == modes(plain)
     assert modes(cfg)["cudagraph_mode"] != "FULL_DECODE_ONLY"  # vLLM's own graphs for prefill (or FULL)
     [warning] = bcg_warnings(caplog)
@@ -134,27 +119,28 @@ def test_a_declined_engine_keeps_vllms_modes_and_says_so_once(model_config, capl
     assert not RUNNER.applied
 
 
-def test_sequence_parallelism_with_torch_compile_declines_and_without_it_runs(model_config, caplog):
-    plain = engine_config(model_config, **_sequence_parallel())
+def test_sequence_parallelism_with_torch_compile_declines_and_without_it_runs(vllm_model_config, caplog):
+    plain = engine_config(vllm_model_config, **_sequence_parallel())
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        compiled = engine_config(model_config, {"enable": True}, **_sequence_parallel())
+        compiled = engine_config(vllm_model_config, {"enable": True}, **_sequence_parallel())
     assert modes(compiled) == modes(plain) and modes(plain)["splitting_ops"] == []  # the body compiled whole
     [warning] = bcg_warnings(caplog)
     assert "sequence parallelism with torch_compile" in warning and '"torch_compile": false' in warning
     assert not prefill_graphs_wanted(compiled)
-    uncompiled = engine_config(model_config, {"enable": True, "torch_compile": False}, **_sequence_parallel())
+    uncompiled = engine_config(vllm_model_config, {"enable": True, "torch_compile": False}, **_sequence_parallel())
     assert (modes(uncompiled)["mode"], modes(uncompiled)["cudagraph_mode"]) == ("NONE", "FULL_DECODE_ONLY")
     assert prefill_graphs_wanted(uncompiled) and sequence_parallel_multiple(uncompiled) == 2
 
 
-def test_a_runner_patch_that_fails_verification_declines_before_any_flag_changes(model_config, caplog, monkeypatch):
+def test_a_runner_patch_that_fails_verification_declines_before_any_flag_changes(vllm_model_config, caplog,
+                                                                                 monkeypatch):
     first = RUNNER.patches[0]
     monkeypatch.setattr(first, "how", dataclasses.replace(first.how, params=["self", "no_such_parameter"]))
     plugin.unregister()
     plugin.register()  # the entry patches still verify: config hooks in, the runner set does not
-    plain = engine_config(model_config)
+    plain = engine_config(vllm_model_config)
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
-        cfg = engine_config(model_config, {"enable": True, "torch_compile": False})
+        cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False})
     assert modes(cfg) == modes(plain)
     [warning] = bcg_warnings(caplog)
     assert "the vLLM model runner changed" in warning and "no_such_parameter" in warning
@@ -196,12 +182,12 @@ class _Model(torch.nn.Module):
     ("FLASH_ATTN", [_full_attention, _mamba], "KV-cache groups other than attention"),
 ])
 @pytest.mark.parametrize("torch_compile", [True, False])
-def test_a_runner_bcg_cannot_serve_warns_once_with_what_the_engine_runs(model_config, caplog, monkeypatch, backend,
+def test_a_runner_bcg_cannot_serve_warns_once_with_what_the_engine_runs(vllm_model_config, caplog, monkeypatch, backend,
                                                                          specs, reason, torch_compile):
     from bcg_plugin.adapters.vllm import replay
 
     monkeypatch.setattr(replay.torch.cuda, "is_available", lambda: True)
-    cfg = engine_config(model_config, {"enable": True, "torch_compile": torch_compile})
+    cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": torch_compile})
     assert prefill_graphs_wanted(cfg)  # the front-end could not see it
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
@@ -220,11 +206,11 @@ def test_a_runner_bcg_cannot_serve_warns_once_with_what_the_engine_runs(model_co
     assert restart in warning and ("and torch.compile back" in warning) == (not torch_compile)
 
 
-def test_the_late_warning_names_only_what_bcg_changed(model_config, caplog):
+def test_the_late_warning_names_only_what_bcg_changed(vllm_model_config, caplog):
     from vllm.config import CompilationConfig
 
     # The user chose FULL_DECODE_ONLY: a restart without bcg would not bring piecewise graphs back.
-    cfg = engine_config(model_config, {"enable": True},
+    cfg = engine_config(vllm_model_config, {"enable": True},
                         compilation_config=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"))
     assert launch.LAUNCH_RECORD_KEY not in cfg.additional_config
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
@@ -233,10 +219,10 @@ def test_the_late_warning_names_only_what_bcg_changed(model_config, caplog):
     assert "decode keeps vLLM's FULL graphs" in warning and "restart" not in warning
 
 
-def test_a_failed_capture_with_eager_fallback_warns_once_with_what_the_engine_runs(model_config, caplog):
+def test_a_failed_capture_with_eager_fallback_warns_once_with_what_the_engine_runs(vllm_model_config, caplog):
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
 
-    cfg = engine_config(model_config, {"enable": True, "torch_compile": False})
+    cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False})
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._reports = True
     graphs.host = types.SimpleNamespace(vllm_config=cfg, capturing=contextlib.nullcontext, capture_contexts={})
@@ -249,8 +235,8 @@ def test_a_failed_capture_with_eager_fallback_warns_once_with_what_the_engine_ru
     assert "restart without bcg" in warning and "FULL_AND_PIECEWISE graphs and torch.compile back" in warning
 
 
-def test_runner_patches_that_fail_in_a_worker_warn_with_what_the_engine_runs(model_config, caplog, monkeypatch):
-    cfg = engine_config(model_config, {"enable": True})
+def test_runner_patches_that_fail_in_a_worker_warn_with_what_the_engine_runs(vllm_model_config, caplog, monkeypatch):
+    cfg = engine_config(vllm_model_config, {"enable": True})
     first = RUNNER.patches[0]
     monkeypatch.setattr(first, "how", dataclasses.replace(first.how, params=["self", "no_such_parameter"]))
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
@@ -296,11 +282,11 @@ def test_buckets_are_multiples_of_the_tp_size_under_sequence_parallelism(tp, siz
         assert plain.buckets == (list(sizes) if sizes else reference_ladder(chunk))
 
 
-def test_sequence_parallelism_is_read_where_vllm_enables_it(model_config):
-    cfg = engine_config(model_config, {"enable": True, "torch_compile": False}, **_sequence_parallel())
+def test_sequence_parallelism_is_read_where_vllm_enables_it(vllm_model_config):
+    cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False}, **_sequence_parallel())
     assert cfg.compilation_config.pass_config.enable_sp and cfg.parallel_config.tensor_parallel_size == 2
     assert _host(cfg).bcg_prefill_buckets(config=BcgConfig(enable=True, max_tokens=101, sizes=(15, 33, 101))) == [16, 34, 100]
-    assert _host(engine_config(model_config, {"enable": True})).bcg_prefill_buckets(
+    assert _host(engine_config(vllm_model_config, {"enable": True})).bcg_prefill_buckets(
         config=BcgConfig(enable=True, max_tokens=101, sizes=(15, 33))) is None
 
 
