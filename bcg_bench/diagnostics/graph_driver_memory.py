@@ -13,7 +13,7 @@ and the fitted cost of a graph and of one kernel node in it.
 The driver keeps the memory of released graphs and gives it to later ones in the process, so each
 row reads only what the rows before it did not leave behind. By default a first round (1000 graphs
 of 64 matmuls, captured and released, not printed) comes first: the rows then read what the driver
-adds beyond it (2026-12-01, H200: nothing for matmul graphs). ``--graphs 200 --no-first-round``,
+adds beyond it (on an H200: nothing for matmul graphs). ``--graphs 200 --no-first-round``,
 as first run, reads the growth in a fresh process instead: about 2 KiB per kernel node, with the
 first row carrying the driver's one-time set-up.
 """
