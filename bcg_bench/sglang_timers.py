@@ -36,7 +36,7 @@ import os
 import time
 from pathlib import Path
 
-from bcg_plugin.patches import NOT_FILED, Patch, PatchTargetError
+from bcg_plugin.patches import NOT_FILED, Patch, PatchSet
 from bcg_plugin.patches.sglang import Hook
 
 RECORD_ENV = "BCG_BENCH_RECORD"  # the file every scheduler appends its records to, one JSON object a line
@@ -142,12 +142,7 @@ TIMERS = (FORWARD, CAPTURE)
 
 def is_installed(patch: Patch) -> bool:
     """Whether ``patch``'s hook is in its target's wrapper chain (SGLang only logs a hook that failed)."""
-    from bcg_plugin.patches.sglang._hook import _chain_has, resolve_value
-
-    try:
-        return _chain_has(resolve_value(patch.target), patch.make())
-    except PatchTargetError:
-        return False
+    return patch.how.in_place(patch.target, patch.make())
 
 
 def install() -> None:
@@ -159,12 +154,7 @@ def install() -> None:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
 
-    problems = []
-    for patch in TIMERS:
-        try:
-            patch.verify()
-        except PatchTargetError as e:
-            problems.append(str(e))
+    problems = PatchSet("bench timers", TIMERS).problems()
     if problems:
         raise RuntimeError(f"bcg bench: cannot time this SGLang: {'; '.join(problems)}")
     # Registered, not applied: load_plugins() builds each target's chain once with the plugins'
