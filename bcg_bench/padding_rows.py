@@ -22,7 +22,7 @@ import torch
 
 from bcg_bench.ranks import free_port
 from bcg_bench.report import environment, run_stamp
-from bcg_plugin.doctor import installed_version
+from bcg_plugin.versions import installed_version
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, EXPERT_INTERMEDIATE, TP = 128, 8, 768, 2

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
+from bcg_plugin.versions import installed_version
 
 HOST_ENTRY_POINTS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
 
@@ -102,14 +103,6 @@ class AdapterReport:
             except PatchTargetError as e:
                 self.targets.append((patch.target, str(e)))
                 self.problems.append(f"patch target changed: {e}")
-
-
-def installed_version(dist: str) -> str | None:
-    """The installed version of distribution ``dist``, or ``None`` if it is not installed."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def adapter_report(engine: str) -> AdapterReport:

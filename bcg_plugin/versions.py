@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+
+def installed_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or ``None`` if it is not installed."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def format_range(supported: SpecifierSet | str) -> str:

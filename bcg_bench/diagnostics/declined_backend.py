@@ -162,23 +162,14 @@ class Engine:
 
 
 def environment() -> dict:
-    import importlib.metadata
-
     import torch
+
+    from bcg_plugin.versions import installed_version
 
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "vllm": importlib.metadata.version("vllm"),
-            "bcg_plugin": _version("bcg-plugin")}
-
-
-def _version(dist: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+            "torch": torch.__version__, "vllm": installed_version("vllm"),
+            "bcg_plugin": installed_version("bcg-plugin")}
 
 
 def verdict(ratios: dict[str, dict[str, float]], tolerance: float) -> dict:

@@ -382,7 +382,7 @@ def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters
                   problems: list[str]) -> Path:
     from bcg_bench.models import shape_summary
     from bcg_bench.report import environment, run_stamp
-    from bcg_plugin.doctor import installed_version
+    from bcg_plugin.versions import installed_version
 
     env = environment()
     variant = "torch-compile" if TORCH_COMPILE and engine == "vllm" else ""

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from bcg_plugin.doctor import installed_version
 from bcg_plugin.patches.vllm import HOST, SUPPORTED
-from bcg_plugin.versions import format_range, host_problem
+from bcg_plugin.versions import format_range, host_problem, installed_version
 
 
 def installed() -> str | None:
