@@ -49,3 +49,78 @@ def host_problem(host: str, supported: SpecifierSet | str, found: str | None) ->
     from bcg_plugin.capture import torch_version_problem
 
     return version_problem(host, supported, found) or torch_version_problem()
+
+
+# Set to 1 to let the plugin run on a host release newer than every release it was validated on,
+# with the patch descriptors of the newest validated release, when every target still verifies.
+UNTESTED_ENV = "BCG_ALLOW_UNTESTED_HOST"
+
+
+class HostGate:
+    """The releases of one host engine that bcg-plugin patches, and which descriptors a version gets.
+
+    Attributes:
+        dist: the distribution whose installed version is checked (``"vllm"``).
+        supported: the declared range; every release in it has a descriptor for each target it patches.
+        releases: the host's releases inside ``supported``, oldest first; the patch tests check
+            descriptor coverage on each, and the untested opt-in borrows the newest one's descriptors.
+    """
+
+    def __init__(self, dist: str, supported: str, releases: tuple[str, ...]):
+        self.dist = dist
+        self.supported = SpecifierSet(supported)
+        self.releases = tuple(releases)
+        outside = [r for r in self.releases if Version(r) not in self.supported]
+        if outside or list(self.releases) != sorted(self.releases, key=Version):
+            raise ValueError(f"{dist}: releases {self.releases} must be sorted and inside {supported}")
+
+    def installed(self) -> str | None:
+        return installed_version(self.dist)
+
+    def untested(self, found: str | None) -> bool:
+        """Whether ``found`` is newer than every release bcg-plugin was validated on and the user opted in."""
+        import os
+
+        if found is None or os.environ.get(UNTESTED_ENV, "") not in ("1", "true", "yes"):
+            return False
+        try:
+            return Version(found) > Version(self.releases[-1]) and Version(found) not in self.supported
+        except InvalidVersion:
+            return False
+
+    def problem(self, found: str | None) -> str | None:
+        """Why ``found`` is not patched (see :func:`host_problem`), or ``None``."""
+        if self.untested(found):
+            from bcg_plugin.capture import torch_version_problem
+
+            return torch_version_problem()
+        problem = host_problem(self.dist, self.supported, found)
+        if problem is not None and found is not None and problem.startswith(f"{self.dist} {found} is outside"):
+            problem += f"; set {UNTESTED_ENV}=1 to try a newer release untested"
+        return problem
+
+    def nearest(self) -> str | None:
+        """The validated release closest to the installed version (itself when validated): for patches
+        that must install on any release, verified against the live symbols."""
+        found = self.installed()
+        if found is None:
+            return None
+        try:
+            v = Version(found)
+        except InvalidVersion:
+            return self.releases[-1]
+        older = [r for r in self.releases if Version(r) <= v]
+        return older[-1] if older else self.releases[0]
+
+    def selected(self) -> str | None:
+        """The release whose descriptors apply to the installed version: itself, or under the untested
+        opt-in the newest validated release; ``None`` when neither applies (nothing is selected)."""
+        found = self.installed()
+        if found is None:
+            return None
+        if self.untested(found):
+            return self.releases[-1]
+        try:
+            return found if Version(found) in self.supported else None
+        except InvalidVersion:
+            return None

@@ -3,7 +3,11 @@
 A :class:`Patch` holds the only copy of what bcg changes in a host: the target symbol, why, the host
 versions it was written against, the upstream issue that would make it unnecessary, when it can go,
 and how it is applied. ``patches/README.md`` is rendered from these descriptors and a host's supported
-range is derived from them (:func:`supported_versions`), so neither can drift from the code.
+range is checked against them (:func:`coverage_problems`), so neither can drift from the code.
+
+Where a host symbol differs between releases, its module holds one descriptor per range
+(``PATCHES``); a set holds them all and applies, at start-up, those whose range holds the installed
+release (:meth:`PatchSet.active`).
 
 How a patch is applied is a small strategy: :class:`Wrap` (a wrapper built from the original, set in
 its place) and :class:`Rebind` (a new value) here; the host-specific ones next to their host
@@ -201,6 +205,10 @@ class Patch:
         if not self.upstream:
             raise ValueError(f"{self.target}: upstream must name an issue or pull request, or be NOT_FILED")
 
+    def applies_to(self, version: str) -> bool:
+        """Whether this descriptor was written for host ``version``."""
+        return SpecifierSet(self.hosts).contains(version, prereleases=True)
+
     @property
     def module(self) -> str:
         """The patch's own module (where ``make`` is defined)."""
@@ -255,14 +263,28 @@ class PatchSet:
         when: where and when the adapter installs the set (shown in ``patches/README.md``).
     """
 
-    def __init__(self, name: str, patches: Iterable[Patch], when: str = ""):
+    def __init__(self, name: str, patches: Iterable[Patch], when: str = "",
+                 select: Callable[[], str | None] | None = None):
         self.name = name
         self.patches = list(patches)
         self.when = when
+        self.select = select
+
+    def active(self, version: str | None = None) -> list[Patch]:
+        """The patches whose host range holds ``version`` (default: the release ``select`` names; every
+        patch where the set has no ``select``). Descriptors of one target have disjoint ranges, so a
+        version gets at most one of each."""
+        if version is None:
+            if self.select is None:
+                return list(self.patches)
+            version = self.select()
+            if version is None:
+                return []
+        return [p for p in self.patches if p.applies_to(version)]
 
     def problems(self, calls: Mapping[str, Any] | None = None) -> list[str]:
         problems = []
-        for patch in self.patches:
+        for patch in self.active():
             try:
                 patch.verify(calls)
             except PatchTargetError as e:
@@ -276,7 +298,8 @@ class PatchSet:
 
     @property
     def applied(self) -> bool:
-        return all(p.applied for p in self.patches)
+        active = self.active()
+        return bool(active) and all(p.applied for p in active)
 
     def apply(self, calls: Mapping[str, Any] | None = None) -> None:
         """Verify every patch, apply each one not yet applied, then check each one took.
@@ -285,10 +308,13 @@ class PatchSet:
         names every problem. Re-entrant: an applied patch is not applied twice.
         """
         calls = {} if calls is None else calls
+        active = self.active()
+        if not active:
+            raise PatchTargetError(f"{self.name}: no patch descriptor covers this host version")
         self.verify(calls)
         done: list[Patch] = []
         try:
-            for patch in self.patches:
+            for patch in active:
                 if not patch.applied:
                     patch._put(calls)
                     done.append(patch)
@@ -298,7 +324,7 @@ class PatchSet:
             for patch in reversed(done):
                 patch.unapply()
             raise
-        missing = [p for p in self.patches if not p.in_place()]
+        missing = [p for p in active if not p.in_place()]
         if missing:
             for patch in reversed(done):
                 patch.unapply()
@@ -310,9 +336,28 @@ class PatchSet:
             patch.unapply()
 
 
-def supported_versions(patches: Iterable[Patch]) -> SpecifierSet:
-    """The host versions every one of ``patches`` was written for: the intersection of their ranges."""
-    spec = SpecifierSet()
-    for patch in patches:
-        spec &= SpecifierSet(patch.hosts)
-    return spec
+def coverage_problems(patches: Iterable[Patch], releases: Iterable[str]) -> list[str]:
+    """What is wrong with the descriptor ranges over a host's ``releases``: a release two descriptors
+    of one target claim, or a descriptor no release uses."""
+    patches = list(patches)
+    releases = list(releases)
+    problems = []
+    for release in releases:
+        seen: dict[str, Patch] = {}
+        for p in patches:
+            if p.applies_to(release):
+                if p.target in seen:
+                    problems.append(f"{release}: {p.target} has two descriptors ({seen[p.target].hosts} and {p.hosts})")
+                seen[p.target] = p
+    for p in patches:
+        if not any(p.applies_to(r) for r in releases):
+            problems.append(f"{p.target} ({p.hosts}): no release in range uses it")
+    return problems
+
+
+def descriptors(*modules: Any) -> list[Patch]:
+    """The descriptors of patch ``modules``: each one's ``PATCH``, or every entry of its ``PATCHES``."""
+    found: list[Patch] = []
+    for module in modules:
+        found += list(getattr(module, "PATCHES", None) or [module.PATCH])
+    return found

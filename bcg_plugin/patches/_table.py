@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from bcg_plugin.versions import format_range
+from bcg_plugin.versions import UNTESTED_ENV, format_range
 
 README_PATH = Path(__file__).resolve().parent / "README.md"
 HOST_PACKAGES = ("bcg_plugin.patches.vllm", "bcg_plugin.patches.sglang")
@@ -36,8 +36,10 @@ def _section(package: str) -> list[str]:
     lines = [
         f"## {host.TITLE}",
         "",
-        f"Supported: `{host.HOST}` `{format_range(host.SUPPORTED)}`, the versions every patch below was written for (their "
-        "ranges intersected), checked with `packaging` before anything is patched.",
+        f"Supported: `{host.HOST}` `{format_range(host.GATE.supported)}` (releases {', '.join(host.GATE.releases)}), "
+        "checked with `packaging` before anything is patched; each release gets the descriptors whose range holds it. "
+        f"A newer release runs only with `{UNTESTED_ENV}=1`, with the newest release's descriptors, named untested "
+        "in its warning.",
         "",
         host.NOTES,
         "",

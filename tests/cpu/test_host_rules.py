@@ -12,7 +12,7 @@ import pytest
 from bcg_plugin import BcgConfigError, faults
 from bcg_plugin.dist import first_rank
 from bcg_plugin.ladder import ladder_top, ladder_top_note, padding_allows
-from bcg_plugin.versions import format_range, version_problem
+from bcg_plugin.versions import UNTESTED_ENV, HostGate, format_range, version_problem
 
 
 @pytest.mark.parametrize("found, problem", [
@@ -92,8 +92,37 @@ def test_the_version_gate_refuses_a_torch_outside_the_checked_range(host, monkey
     import torch
 
     gate = importlib.import_module(f"bcg_plugin.adapters.{host}.version")
-    if version_problem(host, gate.SUPPORTED, gate.installed()) is not None:
+    if version_problem(host, gate.supported(), gate.installed()) is not None:
         pytest.skip(f"the installed {host} is not one bcg supports")
     assert gate.problem() is None  # the host's own version passes, torch as installed here
     monkeypatch.setattr(torch, "__version__", "2.15.0")
     assert "torch 2.15.0 is outside the range" in gate.problem()
+
+
+def toy_gate(monkeypatch, found):
+    gate = HostGate("toyhost", ">=1.0,<1.3", ("1.0", "1.1", "1.2"))
+    monkeypatch.setattr(gate, "installed", lambda: found)
+    return gate
+
+
+@pytest.mark.parametrize("found, selected, nearest", [
+    ("1.1", "1.1", "1.1"), ("1.1.post1", "1.1.post1", "1.1"), ("1.3", None, "1.2"), ("0.9", None, "1.0"),
+    (None, None, None),
+])
+def test_a_gate_selects_the_installed_release_and_the_nearest_for_launch_patches(monkeypatch, found, selected,
+                                                                                 nearest):
+    monkeypatch.delenv(UNTESTED_ENV, raising=False)
+    gate = toy_gate(monkeypatch, found)
+    assert gate.selected() == selected and gate.nearest() == nearest
+
+
+def test_a_newer_release_runs_only_on_the_untested_opt_in_with_the_newest_descriptors(monkeypatch):
+    monkeypatch.delenv(UNTESTED_ENV, raising=False)
+    gate = toy_gate(monkeypatch, "1.4")
+    problem = gate.problem("1.4")
+    assert "toyhost 1.4 is outside the range bcg-plugin supports (>=1.0,<1.3)" in problem and UNTESTED_ENV in problem
+    assert gate.selected() is None and not gate.untested("1.4")
+    monkeypatch.setenv(UNTESTED_ENV, "1")
+    assert gate.untested("1.4") and gate.problem("1.4") is None and gate.selected() == "1.2"
+    # An older release than every validated one is never "untested newer".
+    assert not gate.untested("0.9") and "outside" in gate.problem("0.9")

@@ -8,7 +8,7 @@ import types
 import pytest
 from packaging.specifiers import InvalidSpecifier
 
-from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Rebind, Wrap, supported_versions
+from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Rebind, Wrap
 
 HOST = "bcg_toy_host"
 
@@ -109,12 +109,26 @@ def test_a_rebound_value_is_checked_first_and_restored(toy_host):
     assert toy_host.BACKENDS == ("eager", "graphs")
 
 
-def test_a_hosts_range_is_derived_from_the_descriptors():
-    spec = supported_versions([wrap_step(), rebind_backends()])  # >=1.0,<2.0 and >=1.0
-    assert "1.5" in spec and "2.0" not in spec and "0.9" not in spec
-    narrower = Patch(target=f"{HOST}.BACKENDS", how=Rebind(check=lambda v: None), make=lambda v: v, reason="r",
-                     hosts=">=1.5", upstream=NOT_FILED, remove_when="w")
-    assert "1.2" not in supported_versions([wrap_step(), narrower])
+def test_a_set_applies_the_descriptor_whose_range_holds_the_selected_release(toy_host):
+    def make_new_step(original, *, tag):
+        def step(self, batch, budget=None):
+            return (tag + "-2.x", original(self, batch, budget))
+
+        return step
+
+    old = wrap_step()  # >=1.0,<2.0
+    new = Patch(target=f"{HOST}.Engine.step", how=Wrap(params=("self", "batch", "budget")), make=make_new_step,
+                reason="r", hosts=">=2.0,<3.0", upstream=NOT_FILED, remove_when="w")
+    release = {"v": "2.1"}
+    patch_set = PatchSet("toy", [old, new], select=lambda: release["v"])
+    assert patch_set.active() == [new] and patch_set.active("1.5") == [old]
+    patch_set.apply({"tag": "bcg"})
+    assert toy_host.Engine().step(1) == ("bcg-2.x", ("step", 1)) and not old.applied
+    patch_set.unapply()
+    release["v"] = "3.0"  # no descriptor: nothing is applied, and the set says why
+    with pytest.raises(PatchTargetError, match="no patch descriptor covers"):
+        patch_set.apply({"tag": "bcg"})
+    assert toy_host.Engine().step(1) == ("step", 1)
 
 
 def test_a_descriptor_without_a_valid_range_or_an_upstream_entry_is_refused():

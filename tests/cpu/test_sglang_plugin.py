@@ -62,8 +62,8 @@ def test_installed_sglang_is_supported():
 
 @pytest.mark.parametrize(
     "found, fragment",
-    [("0.5.18", "outside the range bcg-plugin supports (>=0.5.17,<0.5.18)"), ("0.4.9", "outside"),
-     ("0.5.17.post1", None), ("not-a-version", "not a valid"), (None, "not installed")],
+    [("0.5.24", "outside the range bcg-plugin supports (>=0.5.17,<0.5.24)"), ("0.4.9", "outside"),
+     ("0.5.17.post1", None), ("0.5.20", None), ("0.5.23", None), ("not-a-version", "not a valid"), (None, "not installed")],
 )
 def test_version_gate(monkeypatch, found, fragment):
     monkeypatch.setattr(version, "installed", lambda: found)

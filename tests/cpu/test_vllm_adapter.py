@@ -276,7 +276,7 @@ def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplo
 
     # As on a CUDA host, vLLM keeps a graph mode (on this CPU-only platform it turns graphs off last).
     monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
-    monkeypatch.setattr(version, "installed", lambda: "0.27.0")
+    monkeypatch.setattr(version, "installed", lambda: "0.34.0")
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         plugin.register()
         plugin.register()
@@ -284,7 +284,7 @@ def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplo
         cfg = make_config(vllm_model_config, additional_config={"bcg": {"enable": True, "torch_compile": False}})
     records = bcg_records(caplog)
     assert len(records) == 1 and records[0].levelno == logging.WARNING
-    assert "0.27.0" in records[0].getMessage()
+    assert "0.34.0" in records[0].getMessage()
     assert _nothing_patched()
     # The bcg config was not acted on: vLLM's own -O2 modes, as without the plugin.
     cc = cfg.compilation_config

@@ -17,6 +17,8 @@ from typing import Any
 
 from bcg_plugin import BcgConfigError
 from bcg_plugin.adapters.sglang import config, launch, version
+from bcg_plugin.patches.sglang import GATE
+from bcg_plugin.versions import UNTESTED_ENV
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
@@ -47,9 +49,9 @@ def is_active() -> bool:
 def _patch_set(runtime: bool) -> list:
     from bcg_plugin.patches.sglang import LAUNCH, RUNTIME
 
-    patches = [*LAUNCH.patches]
+    patches = LAUNCH.active()
     if runtime:
-        patches += RUNTIME.patches
+        patches += RUNTIME.active()
     return patches
 
 
@@ -109,6 +111,10 @@ def register() -> None:
             _install_launch_set_only()
             return
         STATE.mode = "on"
+        if version.untested():
+            logger.warning("bcg-plugin: sglang %s is newer than every release bcg-plugin was validated on; running "
+                           "UNTESTED with the patches of sglang %s (%s is set)", version.installed(),
+                           GATE.releases[-1], UNTESTED_ENV)
         if runtime:
             logger.info("bcg-plugin: prefill CUDA graphs active (%s)", cfg.to_dict())
 

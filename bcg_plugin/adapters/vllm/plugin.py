@@ -15,6 +15,8 @@ from bcg_plugin import BcgCaptureError
 from bcg_plugin.adapters.vllm import version
 from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
 from bcg_plugin.adapters.vllm.log import logger, route_core_logs
+from bcg_plugin.patches.vllm import GATE
+from bcg_plugin.versions import UNTESTED_ENV
 
 
 class _State:
@@ -48,6 +50,10 @@ def register() -> None:
             logger.warning("bcg: prefill graphs are off: %s; vLLM runs unchanged", reason)
             return
         STATE.registered = True
+        if version.untested():
+            logger.warning("bcg: vLLM %s is newer than every release bcg-plugin was validated on; running UNTESTED "
+                           "with the patches of vLLM %s (%s is set)", version.installed(), GATE.releases[-1],
+                           UNTESTED_ENV)
 
 
 def calls() -> dict[str, Any]:

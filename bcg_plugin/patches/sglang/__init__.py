@@ -9,7 +9,8 @@ Two sets, each verified in full before any of it is applied (:class:`~bcg_plugin
 
 from __future__ import annotations
 
-from bcg_plugin.patches._patch import PatchSet, supported_versions
+from bcg_plugin.patches._patch import PatchSet, descriptors
+from bcg_plugin.versions import HostGate
 from bcg_plugin.patches.sglang._hook import Hook
 from bcg_plugin.patches.sglang import (
     backend_choices,
@@ -22,6 +23,10 @@ from bcg_plugin.patches.sglang import (
 )
 
 HOST = "sglang"  # the distribution whose version the patches are checked against
+# Every SGLang release the descriptors below cover; CI checks three of them against the real package.
+GATE = HostGate(HOST, ">=0.5.17,<0.5.24", (
+    "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"))
+SUPPORTED = GATE.supported
 TITLE = "SGLang"
 NOTES = """\
 Hooks go through SGLang's `HookRegistry`; after applying a set, the plugin checks that each hook
@@ -32,17 +37,16 @@ with one warning, and only the launch set is installed, verified against the liv
 `--cuda-graph-backend-prefill bcg` and `Engine(cuda_graph_backend_prefill="bcg")` run SGLang's
 default prefill backend instead of failing."""
 
-LAUNCH = PatchSet("launch", [backend_choices.PATCH, server_args_post_init.PATCH],
+LAUNCH = PatchSet("launch", descriptors(backend_choices, server_args_post_init), select=GATE.nearest,
                   when="always, also on an unsupported SGLang")
-RUNTIME = PatchSet("runtime", [
-    capture_prefill_graph.PATCH,
-    breakable_capture_var.PATCH,
-    radix_attention_breakable.PATCH,
-    radix_attention_breakable_lse.PATCH,
-    radix_attention_breakable_extra.PATCH,
-], when="`BCG_ENABLE` on, with the launch set")
+RUNTIME = PatchSet("runtime", descriptors(
+    capture_prefill_graph,
+    breakable_capture_var,
+    radix_attention_breakable,
+    radix_attention_breakable_lse,
+    radix_attention_breakable_extra,
+), select=GATE.selected, when="`BCG_ENABLE` on, with the launch set")
 SETS = (LAUNCH, RUNTIME)
 ALL = [*LAUNCH.patches, *RUNTIME.patches]
-SUPPORTED = supported_versions(ALL)
 
-__all__ = ["ALL", "HOST", "Hook", "LAUNCH", "RUNTIME", "SETS", "SUPPORTED"]
+__all__ = ["ALL", "GATE", "HOST", "Hook", "LAUNCH", "RUNTIME", "SETS", "SUPPORTED"]

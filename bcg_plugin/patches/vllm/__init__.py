@@ -9,7 +9,8 @@ Two sets, each verified in full before any of it is applied, and applied all or 
 
 from __future__ import annotations
 
-from bcg_plugin.patches._patch import PatchSet, supported_versions
+from bcg_plugin.patches._patch import PatchSet, descriptors
+from bcg_plugin.versions import HostGate
 from bcg_plugin.patches.vllm._kernel import Kernel
 from bcg_plugin.patches.vllm import (
     unified_attention_with_output,
@@ -27,6 +28,10 @@ from bcg_plugin.patches.vllm import (
 )
 
 HOST = "vllm"  # the distribution whose version the patches are checked against
+# Every vLLM release the descriptors below cover; CI checks three of them against the real package.
+GATE = HostGate(HOST, ">=0.26.0,<0.34", (
+    "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"))
+SUPPORTED = GATE.supported
 TITLE = "vLLM"
 NOTES = """\
 A wrapped target's parameter names must equal, in order, the ones the patch was written against
@@ -35,23 +40,22 @@ without patching them. Sets are removable (`PatchSet.unapply`). Any other vLLM v
 warning, vLLM unpatched, the engine runs as without bcg. If the runner set cannot be verified in a
 worker: one warning, bcg off in that engine (torch.compile stays as the front-end set it)."""
 
-ENTRY = PatchSet("entry", [vllm_config_post_init.PATCH, worker_wrapper_init_device.PATCH],
+ENTRY = PatchSet("entry", descriptors(vllm_config_post_init, worker_wrapper_init_device), select=GATE.selected,
                  when="`register()`, in every process that loads plugins; pass-throughs unless "
                       "`additional_config` has a `\"bcg\"` key")
-RUNNER = PatchSet("runner", [
-    v2_cudagraph_manager_dispatch.PATCH,
-    v2_cudagraph_manager_needs_capture.PATCH,
-    v2_model_cudagraph_manager_capture.PATCH,
-    v2_cudagraph_manager_run_pw_graph.PATCH,
-    v1_cudagraph_dispatcher_dispatch.PATCH,
-    v1_gpu_model_runner_profile_cudagraph_memory.PATCH,
-    v1_gpu_model_runner_capture_model.PATCH,
-    v1_gpu_model_runner_model_forward.PATCH,
-    v1_gpu_model_runner_dummy_run.PATCH,
-    unified_attention_with_output.PATCH,
-], when="a worker whose config enables bcg, from the `init_device` patch, before its model runner is built")
+RUNNER = PatchSet("runner", descriptors(
+    v2_cudagraph_manager_dispatch,
+    v2_cudagraph_manager_needs_capture,
+    v2_model_cudagraph_manager_capture,
+    v2_cudagraph_manager_run_pw_graph,
+    v1_cudagraph_dispatcher_dispatch,
+    v1_gpu_model_runner_profile_cudagraph_memory,
+    v1_gpu_model_runner_capture_model,
+    v1_gpu_model_runner_model_forward,
+    v1_gpu_model_runner_dummy_run,
+    unified_attention_with_output,
+), select=GATE.selected, when="a worker whose config enables bcg, from the `init_device` patch, before its model runner is built")
 SETS = (ENTRY, RUNNER)
 ALL = [*ENTRY.patches, *RUNNER.patches]
-SUPPORTED = supported_versions(ALL)
 
-__all__ = ["ALL", "ENTRY", "HOST", "Kernel", "RUNNER", "SETS", "SUPPORTED"]
+__all__ = ["ALL", "ENTRY", "GATE", "HOST", "Kernel", "RUNNER", "SETS", "SUPPORTED"]
