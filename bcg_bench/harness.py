@@ -154,7 +154,8 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
-    path = out_dir / f"{engine}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
+    # The engine's version is in the name: results are kept per engine, version, model and layout.
+    path = out_dir / f"{engine}-{result['engine_version']}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
     # Later rounds reverse the order, so no mode always runs first on a cold machine.
     per_mode: dict[str, list[dict]] = {m: [] for m in modes}
     order = []

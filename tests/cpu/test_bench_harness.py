@@ -22,7 +22,7 @@ def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     path = harness.run("sglang", "qwen3-0.6b", [16, 64], ["bcg", "native"], tmp_path, 10, rounds=2)
     assert calls == ["bcg", "native", "native", "bcg"]
     result = json.loads(path.read_text())
-    assert path.name == f"sglang-qwen3-0.6b-{run_stamp(result['date'])}.json"
+    assert path.name == f"sglang-{result['engine_version']}-qwen3-0.6b-{run_stamp(result['date'])}.json"
     assert result["order"] == calls and result["engine_version"] == "9.9.9"
     assert result["modes"]["bcg"]["e2e_ms"] == {"16": 17.0, "64": 65.0}  # round 1 (k=1) beats round 2 (k=4)
     assert result["modes"]["native"]["e2e_ms"] == {"16": 18.0, "64": 66.0}  # the failed round is skipped
@@ -132,7 +132,7 @@ def test_parallel_layout_reaches_every_mode_and_names_the_result(tmp_path, monke
     assert len(ended) == 2  # every mode's process group is ended, also after a normal exit
     result = json.loads(path.read_text())
     assert result["parallel"] == {"tp": 2, "dp": 1}
-    assert path.name == f"sglang-qwen3-8b-tp2-{run_stamp(result['date'])}.json"
+    assert path.name == f"sglang-{result['engine_version']}-qwen3-8b-tp2-{run_stamp(result['date'])}.json"
     assert ", tensor parallel 2. " in (tmp_path / path.name.replace(".json", ".md")).read_text()
     cmds.clear()
     path = harness.run("vllm", "qwen3-30b-a3b", [16], ["bcg"], tmp_path, 10, dp=2)
