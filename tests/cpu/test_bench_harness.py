@@ -136,7 +136,7 @@ def test_parallel_layout_reaches_every_mode_and_names_the_result(tmp_path, monke
     assert ", tensor parallel 2. " in (tmp_path / path.name.replace(".json", ".md")).read_text()
     cmds.clear()
     path = harness.run("vllm", "qwen3-30b-a3b", [16], ["bcg"], tmp_path, 10, dp=2)
-    assert cmds[0][-2:] == ["--dp", "2"] and path.name.startswith("vllm-qwen3-30b-a3b-dp2-")
+    assert cmds[0][-2:] == ["--dp", "2"] and path.name.startswith("vllm-9.9.9-qwen3-30b-a3b-dp2-")
 
 
 def test_render_writes_report_and_three_plots(tmp_path):
