@@ -895,3 +895,41 @@ def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied
         vllm_logger.removeHandler(keep)
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+
+
+# -- doctor: which runtime serves prefill ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("environ, ready, expected, absent", [
+    ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, True, "prefill runtime: vLLM's breakable graphs", "bcg where"),
+    ({}, True, "prefill runtime: bcg where", "bcg cannot run"),
+    ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, True, "prefill runtime: bcg where", "own breakable"),
+    ({}, False, "bcg cannot run on this vLLM", "bcg where"),
+])
+def test_doctor_says_which_runtime_serves_prefill(environ, ready, expected, absent):
+    from bcg_plugin.adapters.vllm.doctor import prefill_runtime
+
+    line = prefill_runtime(environ, bcg_ready=ready, listed=["B", "A"])
+    assert line.startswith("prefill runtime: ") and expected in line and absent not in line
+    if environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") != "1":
+        assert "piecewise graphs" in line and "FULL graphs" in line and "eager" in line
+    if "VLLM_USE_BREAKABLE_CUDAGRAPH" not in environ:
+        assert "vLLM's own breakable graphs for the 2 architectures it lists (A, B, ...)" in line
+
+
+def test_doctor_checks_this_releases_descriptors_and_names_the_prefill_runtime(monkeypatch):
+    import io
+
+    from bcg_plugin import doctor
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    out = io.StringIO()
+    doctor.run(None, ["vllm"], out=out)
+    text = out.getvalue()
+    assert f"vllm {version.installed()}: compatible" in text and "FAIL" not in text
+    assert sum(line.startswith("  ok   ") for line in text.splitlines()) == len({p.target for p in ALL})
+    assert "note: prefill runtime: vLLM's breakable graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is set" in text
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    out = io.StringIO()
+    doctor.run(None, ["vllm"], out=out)
+    assert "note: prefill runtime: bcg where" in out.getvalue()

@@ -9,6 +9,7 @@ final ``cudagraph_mode`` is the one an engine would run with.
 from __future__ import annotations
 
 import contextlib
+import os
 import dataclasses
 import logging
 import types
@@ -342,3 +343,68 @@ def test_without_a_sequence_parallel_pass_no_step_is_padded_to_the_tp_size(vllm_
     cfg = engine_config(vllm_model_config, {"enable": True}, parallel_config=ParallelConfig(tensor_parallel_size=2))
     assert sequence_parallel_multiple(cfg) == 1 and prefill_graphs_wanted(cfg)
     assert _host(cfg).bcg_prefill_buckets(config=BcgConfig(enable=True, max_tokens=101, sizes=(15, 33))) is None
+
+
+# -- vLLM's own breakable graphs: switched on by vLLM itself for listed architectures ---------------
+
+# In vLLM's own list on every release bcg covers (inline through 0.28, the allow-list from 0.29).
+LISTED_ARCHITECTURE = "DeepseekV4ForCausalLM"
+BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+
+
+@pytest.fixture
+def listed_model_config(vllm_model_config):
+    """The test model's config under an architecture vLLM turns its breakable graphs on for."""
+    import copy
+
+    listed = copy.copy(vllm_model_config)
+    listed.model_arch_config = copy.copy(vllm_model_config.model_arch_config)
+    listed.model_arch_config.architectures = [LISTED_ARCHITECTURE]
+    return listed
+
+
+def test_bcg_replaces_the_breakable_graphs_vllm_turns_on_by_itself(listed_model_config, monkeypatch, caplog):
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    plugin.register()
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+    plain = engine_config(listed_model_config)
+    # Negative control: without bcg, vLLM switches its breakable graphs on for this architecture
+    # (and with them torch.compile off).
+    assert os.environ.get(BREAKABLE_ENV) == "1" and is_breakable_cudagraph_enabled()
+    assert modes(plain)["mode"] == "NONE"
+    monkeypatch.delenv(BREAKABLE_ENV)
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = engine_config(listed_model_config, {"enable": True})
+    assert os.environ.get(BREAKABLE_ENV) == "0" and not is_breakable_cudagraph_enabled()  # vLLM's path off
+    assert prefill_graphs_wanted(cfg) and modes(cfg)["mode"] == "VLLM_COMPILE"  # bcg's path armed
+    assert not bcg_warnings(caplog)
+    if launch.vllm_breakable_default(cfg) is not None:  # vLLM's allow-list (0.29+) says what bcg replaced
+        assert cfg.additional_config["bcg_launch"]["breakable"] == ["on", "off"]
+        assert any(f"{BREAKABLE_ENV}=0" in r.getMessage() for r in caplog.records)
+
+
+def test_breakable_graphs_the_user_asked_for_keep_bcg_off(listed_model_config, vllm_model_config, monkeypatch,
+                                                          caplog):
+    plugin.register()
+    for model_config in (listed_model_config, vllm_model_config):
+        monkeypatch.setenv(BREAKABLE_ENV, "1")
+        plain = engine_config(model_config)
+        launch._logged.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+            cfg = engine_config(model_config, {"enable": True})
+        assert os.environ[BREAKABLE_ENV] == "1" and modes(cfg) == modes(plain)
+        [warning] = bcg_warnings(caplog)
+        assert f"{BREAKABLE_ENV}=1" in warning and not prefill_graphs_wanted(cfg)
+
+
+def test_an_architecture_vllm_does_not_list_leaves_the_switch_as_vllm_would(vllm_model_config, monkeypatch):
+    plugin.register()
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+    engine_config(vllm_model_config)
+    assert BREAKABLE_ENV not in os.environ  # dense Qwen3: vLLM leaves its breakable graphs off
+    cfg = engine_config(vllm_model_config, {"enable": True})
+    assert os.environ.get(BREAKABLE_ENV) == "0" and prefill_graphs_wanted(cfg)
+    assert launch.vllm_breakable_default(cfg) in (False, None)
+    assert "breakable" not in cfg.additional_config.get("bcg_launch", {})
