@@ -933,3 +933,40 @@ def test_doctor_checks_this_releases_descriptors_and_names_the_prefill_runtime(m
     out = io.StringIO()
     doctor.run(None, ["vllm"], out=out)
     assert "note: prefill runtime: bcg where" in out.getvalue()
+
+
+# -- V2 capture inside vLLM's graph-memory profiling (0.29+) ---------------------------------------
+
+
+def test_v2_graphs_captured_while_vllm_profiles_are_measured_then_closed_before_the_real_capture(monkeypatch):
+    from bcg_plugin.adapters.vllm import replay
+
+    built = []
+
+    class Graphs:
+        def __init__(self, reports):
+            self.reports, self.captured, self.closed = reports, False, False
+
+        def capture(self):
+            self.captured = True
+
+        def close(self):
+            self.closed = True
+
+    def build(host_factory, vllm_config, *, model, attn_groups, kv_cache_config, reports=True):
+        built.append(Graphs(reports))
+        return built[-1]
+
+    monkeypatch.setattr(plugin, "runs_bcg", lambda cfg: True)
+    monkeypatch.setattr(replay.VllmPrefillGraphs, "build", build)
+    args = ("model", "state", "buffers", "tables", "groups", "kv")
+    profiling = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=[])
+    real = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=None)
+
+    throwaway = plugin.capture_v2(profiling, *args)
+    assert throwaway.captured and not throwaway.reports  # measured by vLLM, silent
+    assert not throwaway.closed
+    kept = plugin.capture_v2(real, *args)
+    assert throwaway.closed and kept.captured and kept.reports and not kept.closed
+    assert plugin.capture_v2(real, *args, pcp_manager=object()) is None  # prefill context parallelism
+    assert not kept.closed  # only graphs captured while profiling are closed
