@@ -970,3 +970,23 @@ def test_v2_graphs_captured_while_vllm_profiles_are_measured_then_closed_before_
     assert throwaway.closed and kept.captured and kept.reports and not kept.closed
     assert plugin.capture_v2(real, *args, pcp_manager=object()) is None  # prefill context parallelism
     assert not kept.closed  # only graphs captured while profiling are closed
+
+
+def test_only_graphs_that_serve_an_engine_answer_the_stats_rpc(vllm_model_config, monkeypatch):
+    """Graphs built to measure memory (V1's estimate, V2's capture inside vLLM's profiling) report
+    nothing: one runner per worker answers ``bcg_stats``."""
+    from bcg_plugin.adapters.vllm import replay as graphs
+
+    class _Runner:
+        def __init__(self, pm, cfg, *, chunk_size, device):
+            self.stats = types.SimpleNamespace()
+
+    monkeypatch.setattr(graphs, "PrefillGraphRunner", _Runner)
+    monkeypatch.setattr(graphs, "stats_reporter", lambda *a, **k: None)
+    monkeypatch.setattr(graphs, "_first_tp_rank", lambda: True)
+    monkeypatch.setattr(graphs, "INSTANCES", __import__("weakref").WeakSet())
+    host = types.SimpleNamespace(plugins=lambda: [], device=torch.device("cpu"))
+    config = make_config(vllm_model_config, additional_config={"bcg": {"enable": True}})
+    serving = graphs.VllmPrefillGraphs(host, config)
+    measuring = graphs.VllmPrefillGraphs(host, config, reports=False)
+    assert serving in graphs.INSTANCES and measuring not in graphs.INSTANCES
