@@ -22,7 +22,7 @@ nothing: the engine compiles and captures exactly as it would without the plugin
   with one warning.
 
 vLLM's own breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH``): vLLM turns them on by itself for a
-list of architectures (and, from 0.33, for some batch-invariant setups) when the variable is unset,
+list of architectures (and, from 0.31, for some batch-invariant setups) when the variable is unset,
 which would give prefill two runtimes. Where bcg runs and the variable is unset, bcg sets it to ``0``,
 vLLM's documented opt-out, before vLLM reads it: the variable reaches the engine core and the workers
 (spawned from this process; Ray copies it explicitly), so no worker builds vLLM's breakable runner
