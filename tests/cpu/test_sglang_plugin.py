@@ -1,4 +1,4 @@
-"""The SGLang adapter against the real sglang 0.5.17 package, on CPU.
+"""The SGLang adapter against the installed sglang package (any supported release), on CPU.
 
 In-process tests only read SGLang (resolve targets, signatures); anything that installs hooks runs
 in a fresh interpreter, as SGLang's own spawned schedulers do, so this process stays unpatched.
@@ -16,6 +16,7 @@ import types
 from importlib.metadata import entry_points
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 pytest.importorskip("sglang")
 
@@ -34,16 +35,38 @@ QWEN3_CONFIG = {
     "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     "hidden_act": "silu", "attention_bias": False,
 }
-RUNTIME_TARGETS = {
-    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph",
-    "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output",
-    "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
-    "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs",
-}
-LAUNCH_TARGETS = {"sglang.srt.server_args.ServerArgs.__post_init__"}  # hooks; the launch set also rebinds:
-BACKENDS_TARGET = "sglang.srt.model_executor.cuda_graph_config.Backend.ALL"
-CAPTURE_VAR_TARGET = ("sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph."
-                      "_current_capture_var")  # a rebind, not a hook
+INSTALLED = version.installed()
+
+
+def for_installed(table: list[tuple[str, set[str]]]) -> set[str]:
+    """The targets of ``table`` (release range, targets), written from SGLang's sources, that the
+    installed release has."""
+    return set().union(*(targets for hosts, targets in table if SpecifierSet(hosts).contains(INSTALLED, prereleases=True)))
+
+
+# Hooks (SGLang's HookRegistry), per release range.
+RUNTIME_TARGETS = for_installed([
+    (">=0.5.17", {"sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"}),
+    ("<0.5.23", {  # the module-level breakable attention ops, gone in 0.5.23
+        "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output",
+        "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
+        "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs",
+    }),
+])
+LAUNCH_TARGETS = for_installed([
+    ("<0.5.20", {"sglang.srt.server_args.ServerArgs.__post_init__"}),
+    (">=0.5.20", {"sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.ServerArgs.resolve_once"}),
+])
+# Rebinds and in-place wraps, not hooks.
+BACKENDS_TARGETS = for_installed([("<0.5.20", {"sglang.srt.model_executor.cuda_graph_config.Backend.ALL"})])
+RUNTIME_WRAPS = for_installed([
+    (">=0.5.17", {"sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph."
+                  "_current_capture_var"}),
+    (">=0.5.23", {"sglang.srt.layers.radix_attention.RadixAttention._eager_attention"}),
+])
+# Through 0.5.19 the flag's argparse choices are Backend.ALL, read when the parser is built; from 0.5.20
+# they are fixed at import and bcg extends the prefill option alone.
+LAZY_CHOICES = bool(BACKENDS_TARGETS)
 
 
 # -- discovery and targets ---------------------------------------------------------------------
@@ -77,7 +100,7 @@ def all_patches():
 
 def test_every_target_resolves_with_the_expected_signature():
     patches = all_patches()
-    assert {p.target for p in patches} >= RUNTIME_TARGETS | LAUNCH_TARGETS
+    assert {p.target for p in patches} == RUNTIME_TARGETS | LAUNCH_TARGETS | BACKENDS_TARGETS | RUNTIME_WRAPS
     assert PatchSet("sglang", patches).problems(plugin.calls()) == []
 
 
@@ -224,8 +247,13 @@ def fake_batch(n, across=None, agreed=True):
     return types.SimpleNamespace(
         batch_size=1, input_ids=[0] * n, input_embeds=None, replace_embeds=None, extend_prefix_lens_cpu=[0],
         forward_mode=ForwardMode.EXTEND, capture_hidden_mode=CaptureHiddenMode.NULL, return_logprob=False,
-        global_num_tokens_cpu=across, can_run_dp_breakable_cuda_graph=agreed,
+        global_num_tokens_cpu=across, **{DP_VOTE: agreed},
     )
+
+
+# The ForwardBatch field carrying SGLang's DP vote (renamed in 0.5.19).
+DP_VOTE = for_installed([("<0.5.19", {"can_run_dp_breakable_cuda_graph"}),
+                         (">=0.5.19", {"can_run_dp_prefill_cuda_graph"})]).pop()
 
 
 def test_dp_ranks_replay_together_or_not_at_all():
@@ -278,10 +306,18 @@ SCENARIO = textwrap.dedent(
     model = sys.argv[1]
     base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
     os.environ.pop("BCG_ENABLE", None)
+    def prefill_backend(a):
+        # From 0.5.19 resolution is a separate step, and from 0.5.20 the record keeps the input and
+        # reports what resolution decided through resolved_dict().
+        if hasattr(a, "resolve_once"):
+            a.resolve_once()
+        if hasattr(a, "resolved_dict"):
+            return a.resolved_dict()["cuda_graph_config"]["prefill"]["backend"]
+        return a.cuda_graph_config.prefill.backend
     def parse(extra):
         try:
             a = prepare_server_args(base + extra)
-            return {"flag": a.cuda_graph_backend_prefill, "prefill": a.cuda_graph_config.prefill.backend,
+            return {"prefill": prefill_backend(a), "flag": a.cuda_graph_backend_prefill,
                     "env": os.environ.get("BCG_ENABLE")}
         except SystemExit as e:
             return {"exit": e.code}
@@ -294,9 +330,18 @@ SCENARIO = textwrap.dedent(
     try:
         a = ServerArgs(model_path=model, skip_tokenizer_init=True, load_format="dummy", device="cpu",
                        cuda_graph_backend_prefill="bcg")
+        prefill_backend(a)
         out["engine_kwargs"] = {"flag": a.cuda_graph_backend_prefill, "env": os.environ.get("BCG_ENABLE")}
     except Exception as e:
         out["engine_kwargs"] = {"error": type(e).__name__, "message": str(e)}
+    os.environ.pop("BCG_ENABLE", None)
+    try:
+        a = ServerArgs(model_path=model, skip_tokenizer_init=True, load_format="dummy", device="cpu",
+                       cuda_graph_backend_decode="bcg")
+        prefill_backend(a)
+        out["engine_decode_bcg"] = {"flag": a.cuda_graph_backend_decode}
+    except Exception as e:
+        out["engine_decode_bcg"] = {"error": type(e).__name__, "message": str(e)}
     os.environ["BCG_SIZES"] = "16,x"
     out["cli_bad_sizes"] = parse(["--cuda-graph-backend-prefill", "bcg"])
     print("SCENARIO " + json.dumps(out))
@@ -331,8 +376,13 @@ UNSUPPORTED_SCENARIO = textwrap.dedent(
     base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
 
     def described(args):
-        return {"flag": args.cuda_graph_backend_prefill, "prefill": args.cuda_graph_config.prefill.backend,
-                "env": os.environ.get("BCG_ENABLE")}
+        if hasattr(args, "resolve_once"):
+            args.resolve_once()
+        if hasattr(args, "resolved_dict"):
+            prefill = args.resolved_dict()["cuda_graph_config"]["prefill"]["backend"]
+        else:
+            prefill = args.cuda_graph_config.prefill.backend
+        return {"flag": args.cuda_graph_backend_prefill, "prefill": prefill, "env": os.environ.get("BCG_ENABLE")}
 
     def cli(extra):
         parser = argparse.ArgumentParser()
@@ -416,14 +466,15 @@ def test_unsupported_sglang_engine_keyword_runs_sglangs_default_prefill_backend(
 
 def test_enabled_scheduler_installs_every_hook_once(enabled):
     assert enabled["active"]
-    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS | {BACKENDS_TARGET, CAPTURE_VAR_TARGET}
+    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS | BACKENDS_TARGETS | RUNTIME_WRAPS
     assert all(enabled["hooks"][t] == 1 for t in RUNTIME_TARGETS | LAUNCH_TARGETS)
-    assert "bcg" in enabled["backends"]
+    assert not RUNTIME_WRAPS & set(enabled["hooks"])  # wrapped or rebound by bcg, not through HookRegistry
+    assert ("bcg" in enabled["backends"]) == LAZY_CHOICES  # from 0.5.20 Backend.ALL stays SGLang's
 
 
 def test_not_enabled_is_harmless(not_enabled):
     assert not_enabled["active"]
-    assert set(not_enabled["installed"]) == LAUNCH_TARGETS | {BACKENDS_TARGET}  # the flag and its translation only
+    assert set(not_enabled["installed"]) == LAUNCH_TARGETS | BACKENDS_TARGETS  # the flag and its translation only
     assert not not_enabled["capture_wrapped"]  # SGLang's prefill runner untouched
     assert not RUNTIME_TARGETS & set(not_enabled["hooks"])
     plain = not_enabled["cli_plain"]
@@ -438,7 +489,12 @@ def test_cli_and_engine_flag_enable_bcg(scenario, request):
     assert bcg == {"flag": None, "prefill": plain["prefill"], "env": "1"}, bcg
     assert out["cli_after"]["env"] is None
     assert out["engine_kwargs"] == {"flag": None, "env": "1"}
-    assert out["cli_decode_bcg"]["error"] == "BcgConfigError" and "prefill" in out["cli_decode_bcg"]["message"]
+    if LAZY_CHOICES:  # the decode option shares Backend.ALL, so argparse passes the value to the translation
+        assert out["cli_decode_bcg"]["error"] == "BcgConfigError" and "prefill" in out["cli_decode_bcg"]["message"]
+    else:  # the decode option keeps SGLang's choices: argparse rejects it
+        assert out["cli_decode_bcg"] == {"exit": 2}, out["cli_decode_bcg"]
+    decode = out["engine_decode_bcg"]
+    assert decode.get("error") == "BcgConfigError" and "prefill" in decode["message"], decode
     assert out["cli_bad_sizes"]["error"] == "BcgConfigError" and "'sizes'" in out["cli_bad_sizes"]["message"]
 
 

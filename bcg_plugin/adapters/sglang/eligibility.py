@@ -21,7 +21,9 @@ def runner_reason(model_runner: Any) -> str | None:
 
     server_args = model_runner.server_args
     if not check_cuda_graph_backend(Phase.PREFILL, Backend.BREAKABLE):
-        backend = server_args.cuda_graph_config.prefill.backend
+        from bcg_plugin.adapters.sglang.replay import prefill_graph_config
+
+        backend = prefill_graph_config(model_runner).backend
         return f"SGLang resolved the prefill graph backend to {backend!r}; bcg replaces 'breakable' only"
     if model_runner.is_draft_worker:
         return "speculative draft worker"

@@ -65,6 +65,7 @@ def calls() -> dict[str, Any]:
         "prefill_runner_factory": replay.prefill_runner_factory,
         "capturing": attention.capturing,
         "attention_break": attention.captured_then_break,
+        "layer_attention_break": attention.layer_attention_break,
         "refuse": attention.refuse,
     }
 
