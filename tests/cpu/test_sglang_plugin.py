@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import inspect
 import textwrap
 import types
 from importlib.metadata import entry_points
@@ -47,6 +48,7 @@ def for_installed(table: list[tuple[str, set[str]]]) -> set[str]:
 # Hooks (SGLang's HookRegistry), per release range.
 RUNTIME_TARGETS = for_installed([
     (">=0.5.17", {"sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"}),
+    (">=0.5.21", {"sglang.srt.managers.scheduler_components.dp_attn._local_prefill_cuda_graph_vote"}),
     ("<0.5.23", {  # the module-level breakable attention ops, gone in 0.5.23
         "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output",
         "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
@@ -276,6 +278,40 @@ def test_a_keyword_a_later_sglang_adds_means_eager_not_a_crash(caplog):
     assert r.core.stats.fallbacks["feature_not_captured"] == 1  # the eager forward is counted
     named = [m for m in caplog.messages if "some_new_condition" in m]
     assert len(named) == 1 and len(caplog.messages) == 1  # one line names it; then quiet
+
+
+def schedule_batch(mode_name: str, tokens: int = 40):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode_name), batch_size=lambda: 2,
+                                 extend_num_tokens=tokens, input_embeds=None, replace_embeds=None, prefix_lens=[0, 3],
+                                 return_logprob=False, seq_lens_cpu=None, multimodal_inputs=None, reqs=[],
+                                 has_grammar=False)
+
+
+def test_bcg_runner_casts_its_own_dp_vote():
+    """SGLang 0.5.21 on votes no for any prefill runner not of its own class; the hook asks bcg's."""
+    from sglang.srt.managers.scheduler_components import dp_attn
+
+    from bcg_plugin.adapters.sglang import replay
+    from bcg_plugin.patches.sglang import dp_prefill_vote
+
+    original = dp_attn._local_prefill_cuda_graph_vote
+    r = vote_runner()
+    vote = dp_prefill_vote.make(dp_prefill_vote=replay.dp_prefill_vote)
+
+    def cast(batch, runner=r, hook=True, **extra):
+        kwargs = dict(local_batch=batch, prefill_graph_runner=runner, coordinated_prefill=True,
+                      breakable_prefill=True, spec_algorithm=None, model_config=None, **extra)
+        if "num_tokens" in inspect.signature(original).parameters:
+            kwargs.setdefault("num_tokens", batch.extend_num_tokens if batch is not None else 0)
+        return vote(original, **kwargs) if hook else original(**kwargs)
+
+    assert cast(schedule_batch("EXTEND")) and cast(schedule_batch("MIXED")) and cast(None)
+    assert not cast(schedule_batch("EXTEND", tokens=65))  # above the top bucket: the same rule as forward time
+    assert not cast(schedule_batch("DECODE"))  # SGLang's decode-to-extend conversion is for its own runner
+    if "dp_prefill_vote" in {p.module.rpartition(".")[2] for p in plugin._patch_set(runtime=True)}:
+        assert not cast(schedule_batch("EXTEND"), hook=False)  # what SGLang alone votes for bcg's runner
 
 
 def test_execute_refuses_a_batch_it_did_not_plan():

@@ -110,6 +110,31 @@ class BcgPrefillRunner:
         bucket = choose_bucket(self.core.buckets, num_tokens)
         return bucket is not None and padding_allows(bucket, num_tokens, self.core.config.max_padding_ratio)
 
+    def schedule_vote(self, *, local_batch: Any, coordinated_prefill: bool, num_tokens: int | None = None,
+                      **_: Any) -> bool:
+        """This rank's DP-attention vote on the step it schedules (SGLang 0.5.21 on, through
+        :mod:`~bcg_plugin.patches.sglang.dp_prefill_vote`): :meth:`can_replay_locally` on its extend
+        or mixed batch; an idle rank does not hold the others back; a decoding rank votes no."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if local_batch is None or local_batch.forward_mode.is_idle():
+            return True
+        mode = local_batch.forward_mode
+        if not coordinated_prefill or mode not in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            return False
+        return self.can_replay_locally(
+            batch_size=local_batch.batch_size(),
+            num_tokens=local_batch.extend_num_tokens if num_tokens is None else num_tokens,
+            input_embeds=local_batch.input_embeds,
+            replace_embeds=local_batch.replace_embeds,
+            prefix_lens=local_batch.prefix_lens,
+            is_target_verify=mode.is_target_verify(),
+            capture_hidden_mode=None,
+            return_logprob=local_batch.return_logprob,
+            lora_ineligible=self.enable_lora,
+            is_mixed=mode == ForwardMode.MIXED,
+        )
+
     def can_run_graph(self, forward_batch: Any, **unknown: Any) -> bool:
         self._planned = None
         self.stats_reporter.tick()
@@ -308,6 +333,11 @@ def build_runner(model_runner: Any, native_cls: type, cfg: BcgConfig) -> Any:
         return native_cls(model_runner)
     host = SglangHost(model_runner, layer_model)
     return BcgPrefillRunner(model_runner, cfg, host)
+
+
+def dp_prefill_vote(runner: Any) -> Any:
+    """What the DP-vote patch asks: bcg's vote for ``runner`` when it is bcg's, else ``None``."""
+    return runner.schedule_vote if isinstance(runner, BcgPrefillRunner) else None
 
 
 def prefill_runner_factory(model_runner: Any) -> Any:

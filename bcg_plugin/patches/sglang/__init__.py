@@ -17,6 +17,7 @@ from bcg_plugin.patches.sglang import (
     breakable_capture_var,
     capture_prefill_graph,
     cli_backend_choices,
+    dp_prefill_vote,
     radix_attention_breakable,
     radix_attention_breakable_extra,
     radix_attention_breakable_lse,
@@ -52,6 +53,7 @@ RUNTIME = PatchSet("runtime", descriptors(
     radix_attention_breakable_lse,
     radix_attention_breakable_extra,
     radix_attention_eager,
+    dp_prefill_vote,
 ), select=GATE.selected, when="`BCG_ENABLE` on, with the launch set")
 SETS = (LAUNCH, RUNTIME)
 ALL = [*LAUNCH.patches, *RUNTIME.patches]
