@@ -296,22 +296,28 @@ def test_bcg_runner_casts_its_own_dp_vote():
     from bcg_plugin.adapters.sglang import replay
     from bcg_plugin.patches.sglang import dp_prefill_vote
 
-    original = dp_attn._local_prefill_cuda_graph_vote
+    # The vote is a function of its own from 0.5.19 (inline in the DP sync before).
+    original = getattr(dp_attn, "_local_prefill_cuda_graph_vote", None)
     r = vote_runner()
     vote = dp_prefill_vote.make(dp_prefill_vote=replay.dp_prefill_vote)
 
-    def cast(batch, runner=r, hook=True, **extra):
-        kwargs = dict(local_batch=batch, prefill_graph_runner=runner, coordinated_prefill=True,
-                      breakable_prefill=True, spec_algorithm=None, model_config=None, **extra)
-        if "num_tokens" in inspect.signature(original).parameters:
-            kwargs.setdefault("num_tokens", batch.extend_num_tokens if batch is not None else 0)
-        return vote(original, **kwargs) if hook else original(**kwargs)
+    def sglangs_vote(**kwargs):
+        return "SGLang's own vote"
 
-    assert cast(schedule_batch("EXTEND")) and cast(schedule_batch("MIXED")) and cast(None)
-    assert not cast(schedule_batch("EXTEND", tokens=65))  # above the top bucket: the same rule as forward time
-    assert not cast(schedule_batch("DECODE"))  # SGLang's decode-to-extend conversion is for its own runner
+    def cast(batch, runner=r, fn=None, hook=True):
+        fn = fn or original or sglangs_vote
+        kwargs = dict(local_batch=batch, prefill_graph_runner=runner, coordinated_prefill=True,
+                      breakable_prefill=True, spec_algorithm=None, model_config=None)
+        if original is not None and "num_tokens" in inspect.signature(original).parameters:
+            kwargs["num_tokens"] = batch.extend_num_tokens if batch is not None else 0
+        return vote(fn, **kwargs) if hook else fn(**kwargs)
+
+    assert cast(schedule_batch("EXTEND")) is True and cast(schedule_batch("MIXED")) is True and cast(None) is True
+    assert cast(schedule_batch("EXTEND", tokens=65)) is False  # above the top bucket: the rule at forward time
+    assert cast(schedule_batch("DECODE")) is False  # SGLang's decode-to-extend conversion is for its own runner
+    assert cast(schedule_batch("EXTEND"), runner=object(), fn=sglangs_vote) == "SGLang's own vote"  # not bcg's
     if "dp_prefill_vote" in {p.module.rpartition(".")[2] for p in plugin._patch_set(runtime=True)}:
-        assert not cast(schedule_batch("EXTEND"), hook=False)  # what SGLang alone votes for bcg's runner
+        assert cast(schedule_batch("EXTEND"), hook=False) is False  # what SGLang alone votes for bcg's runner
 
 
 def test_execute_refuses_a_batch_it_did_not_plan():
