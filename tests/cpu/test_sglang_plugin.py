@@ -693,3 +693,17 @@ def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool
     buckets = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True), chunk_size=top, device="cpu").buckets
     rows_needed = -(-buckets[-1] // context_len)  # the top bucket's capture batch, in request rows
     assert buckets[-1] == top and rows_needed <= pool.req_to_token.shape[0]
+
+
+def test_the_bench_runs_the_modes_the_installed_sglang_has():
+    from bcg_bench import sglang_mode
+
+    assert sglang_mode.MODES["full"] == "full" and sglang_mode.MODES["native"] == "breakable"
+    assert sglang_mode.mode_problem("tc_piecewise", "0.5.21") is None
+    problem = sglang_mode.mode_problem("tc_piecewise", "0.5.22")
+    assert problem is not None and "removed it in 0.5.22" in problem and "full" in problem
+    assert all(sglang_mode.mode_problem(m, "0.5.23") is None for m in ("disabled", "native", "full", "bcg"))
+    with pytest.raises(SystemExit) as e:  # one line and exit 2 where the installed SGLang lacks the mode
+        sglang_mode.main(["--mode", "tc_piecewise", "--out", os.devnull]) if sglang_mode.mode_problem(
+            "tc_piecewise", version.installed()) else sglang_mode.main(["--mode", "no-such-mode", "--out", os.devnull])
+    assert e.value.code == 2

@@ -172,13 +172,22 @@ class SglangHost:
         shadowed = layer_model.__dict__.get("forward")
         layer_model.forward = lambda *args, **kwargs: hidden
         try:
-            with torch.no_grad():
+            with self._tail_context(fb), torch.no_grad():
                 return self.model_runner.model.forward(fb.input_ids, fb.positions, fb, **fwd.forward_kwargs)
         finally:
             if shadowed is None:
                 del layer_model.forward
             else:
                 layer_model.forward = shadowed
+
+    def _tail_context(self, fb: Any) -> Any:
+        """The forward context SGLang runs a prefill tail in: from 0.5.23 it carries the batch's MoE
+        padding count, and model code reads the attention backend from it; before, the tail needs none."""
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        if "forward_batch" not in inspect.signature(forward_context).parameters:
+            return contextlib.nullcontext()
+        return forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend), forward_batch=fb)
 
     @hookimpl
     def bcg_world_group(self) -> Any:
