@@ -217,9 +217,16 @@ def test_sglang_own_breaks_are_refused_by_name(bound_patch, module, attr, op_nam
     assert "breakable_cuda_graph.py" not in message.split("called from", 1)[1]  # the caller, not SGLang's wrapper
 
 
-@pytest.mark.skipif(EAGER_METHOD, reason="the module-level breakable ops are gone from 0.5.23 (see the method test)")
 def test_the_break_bcg_routes_is_not_refused(bound_patch, monkeypatch):
-    """RadixAttention's unified op goes to bcg's break, never reaching SGLang's wrapper."""
+    """RadixAttention's break goes to bcg's break, never reaching SGLang's wrapper: the module-level
+    unified op through 0.5.22, the eager-attention method from 0.5.23."""
+    if EAGER_METHOD:
+        _eager_method_is_bcgs_break_and_its_variants_are_refused(monkeypatch)
+    else:
+        _unified_op_is_bcgs_break(monkeypatch)
+
+
+def _unified_op_is_bcgs_break(monkeypatch):
     seen = []
     monkeypatch.setattr(attention, "bcg_attention", lambda *a, **kw: seen.append(a[4:]))
     fwd = attention.ForwardPass(forward_batch=None, attn_backend=None, attention_layers=[])
@@ -233,8 +240,7 @@ def test_the_break_bcg_routes_is_not_refused(bound_patch, monkeypatch):
     assert seen == [(True, 7)]
 
 
-@pytest.mark.skipif(not EAGER_METHOD, reason="RadixAttention._eager_attention is the break from 0.5.23")
-def test_radix_attentions_eager_method_is_bcgs_break_and_its_variants_are_refused(bound_patch, monkeypatch):
+def _eager_method_is_bcgs_break_and_its_variants_are_refused(monkeypatch):
     """0.5.23: the method's graph entry goes to bcg's break while bcg captures; its LSE, sparse and
     extra-kwargs forms fail the capture; its explicit eager entry stays SGLang's."""
     original = radix_attention.RadixAttention.__dict__["_eager_attention"]
