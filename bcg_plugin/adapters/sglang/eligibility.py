@@ -29,7 +29,9 @@ def runner_reason(model_runner: Any) -> str | None:
         return "speculative draft worker"
     if not model_runner.spec_algorithm.is_none():
         return "speculative decoding (target hidden-state capture)"
-    if server_args.enable_lora:
+    from bcg_plugin.adapters.sglang.replay import published
+
+    if published("lora", "enable_lora", server_args):  # resolved (the record keeps the input from 0.5.20)
         return "LoRA adapters"
     if model_runner.pp_group.world_size > 1:
         return "pipeline parallelism"

@@ -230,7 +230,7 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     chunked-prefill size), or what its request pool's rows (``max_running_requests``, per DP worker)
     hold at ``context_len`` tokens each, where that is less."""
     prefill = prefill_graph_config(model_runner)
-    chunk = _published("schedule", "chunked_prefill_size", model_runner.server_args)
+    chunk = published("schedule", "chunked_prefill_size", model_runner.server_args)
     if prefill.max_bs:
         ceiling = int(prefill.max_bs)
     elif chunk and chunk > 0:
@@ -248,7 +248,7 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     return ladder_top(ceiling, int(pool.size), context_len)
 
 
-def _published(group: str, name: str, server_args: Any) -> Any:
+def published(group: str, name: str, server_args: Any) -> Any:
     """A resolved setting as SGLang publishes it (0.5.19 on: ``get_exec()``/``get_schedule()``; the
     ``ServerArgs`` record then keeps the operator's input), else as ``server_args`` holds it."""
     from sglang.srt import runtime_context
@@ -263,7 +263,7 @@ def _published(group: str, name: str, server_args: Any) -> Any:
 
 def prefill_graph_config(model_runner: Any) -> Any:
     """The prefill phase of the CUDA-graph config SGLang's own prefill runner reads."""
-    return _published("exec", "cuda_graph_config", model_runner.server_args).prefill
+    return published("exec", "cuda_graph_config", model_runner.server_args).prefill
 
 
 def _first_tp_rank(model_runner: Any) -> bool:
