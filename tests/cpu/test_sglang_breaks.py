@@ -75,9 +75,11 @@ class _ExtendBackend:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.seen_cache_loc_rows: list[int] = []
+        self.seen_position_rows: list[int] = []
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.seen_cache_loc_rows.append(forward_batch.out_cache_loc.shape[0])
+        self.seen_position_rows.append(forward_batch.positions.shape[0])
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         if self.fail:
@@ -119,7 +121,9 @@ def test_attention_stores_the_real_rows_of_a_dp_padded_batch_and_restores_its_ca
     assert torch.equal(out[:5], q[:5] * 2 + 1)
     assert not out[5:].any()  # DP-padded and bucket-padded rows zeroed
     assert fb.out_cache_loc is slots and fb._attn_output is None  # the logits tail sees the batch's own
-    assert fb.positions.shape[0] == 12
+    assert fb.positions.shape[0] == 12  # the batch's own again
+    # Where SGLang's eager attention narrows the positions (0.5.23 on), the backend saw the real rows'.
+    assert backend.seen_position_rows == [5 if attention._narrows_positions() else 12]
 
 
 def test_attention_restores_the_cache_slots_when_the_backend_raises():

@@ -586,7 +586,24 @@ def planning_runner(planned: list):
 def extend_batch(n: int = 8):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    return types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * n)
+    return types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * n, moe_num_token_non_padded=None)
+
+
+def test_attention_is_planned_in_the_forward_context_sglang_plans_it_in():
+    """0.5.23 plans a batch's attention inside a forward context carrying the batch; before, outside any."""
+    import inspect as inspect_
+
+    from sglang.srt.model_executor import forward_context
+
+    seen = []
+    r = planning_runner([])
+    r.model_runner.attn_backend.init_forward_metadata = lambda fb: seen.append(forward_context._current)
+    r._plan_attention(extend_batch(), 8)
+    if "forward_batch" in inspect_.signature(forward_context.forward_context).parameters:
+        assert seen[0] is not None and seen[0].attn_backend is r.model_runner.attn_backend
+    else:
+        assert seen == [None]
+    assert forward_context._current is None  # left as found
 
 
 def test_replays_plan_their_own_batch_without_a_fault_plugin():

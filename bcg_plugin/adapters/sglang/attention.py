@@ -10,6 +10,7 @@ is called directly, skipping the torch-op dispatcher and SGLang's process-global
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -82,7 +83,7 @@ def bcg_attention(
     out_cache_loc, positions = fb.out_cache_loc, getattr(fb, "positions", None)
     fb._attn_output = output[:n]
     fb.out_cache_loc = out_cache_loc[:n]
-    if positions is not None:
+    if positions is not None and _narrows_positions():
         fb.positions = positions[:n]
     try:
         ret = fwd.attn_backend.forward(
@@ -138,6 +139,17 @@ def layer_attention_break(layer: Any, q: torch.Tensor, k: torch.Tensor | None, v
     kwargs = {name: value for name, value in kwargs.items() if name not in _UNNARROWED_KWARGS}
     captured_then_break(q, k, v, output, save_kv_cache, layer.layer_id, key_value_num_tokens=key_value_num_tokens,
                         **kwargs)
+
+
+@functools.cache
+def _narrows_positions() -> bool:
+    """Whether SGLang's own eager attention hands the backend the positions of the real rows only
+    (0.5.23 on, ``attention_input_scope``); bcg's break then does the same, and before, as SGLang, not."""
+    try:
+        from sglang.srt.layers.attention.graph_utils import attention_input_scope  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _real_rows(fb: Any, landed: int) -> int:

@@ -99,7 +99,8 @@ class SglangHost:
             **dp,
         )
         # Planned eagerly, once per bucket; every replay plans its own live batch instead.
-        mr.attn_backend.init_forward_metadata(fb)
+        with batch_forward_context(mr, fb):
+            mr.attn_backend.init_forward_metadata(fb)
         inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb))
 
@@ -172,22 +173,13 @@ class SglangHost:
         shadowed = layer_model.__dict__.get("forward")
         layer_model.forward = lambda *args, **kwargs: hidden
         try:
-            with self._tail_context(fb), torch.no_grad():
+            with batch_forward_context(self.model_runner, fb), torch.no_grad():
                 return self.model_runner.model.forward(fb.input_ids, fb.positions, fb, **fwd.forward_kwargs)
         finally:
             if shadowed is None:
                 del layer_model.forward
             else:
                 layer_model.forward = shadowed
-
-    def _tail_context(self, fb: Any) -> Any:
-        """The forward context SGLang runs a prefill tail in: from 0.5.23 it carries the batch's MoE
-        padding count, and model code reads the attention backend from it; before, the tail needs none."""
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-
-        if "forward_batch" not in inspect.signature(forward_context).parameters:
-            return contextlib.nullcontext()
-        return forward_context(ForwardContext(attn_backend=self.model_runner.attn_backend), forward_batch=fb)
 
     @hookimpl
     def bcg_world_group(self) -> Any:
@@ -211,6 +203,17 @@ class SglangHost:
             "global_num_tokens_for_logprob_gpu": gpu,
             "global_dp_buffer_len": sum(counts),
         }
+
+
+def batch_forward_context(model_runner: Any, fb: Any) -> Any:
+    """The forward context SGLang 0.5.23 plans attention and runs a prefill tail in (it carries the
+    batch's MoE padding count; model code reads the attention backend from it); before 0.5.23 SGLang
+    does neither inside one, and neither does bcg."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    if "forward_batch" not in inspect.signature(forward_context).parameters:
+        return contextlib.nullcontext()
+    return forward_context(ForwardContext(attn_backend=model_runner.attn_backend), forward_batch=fb)
 
 
 def tp_group(model_runner: Any) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.sglang import config, eligibility
-from bcg_plugin.adapters.sglang.host import SglangHost, tp_group
+from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, tp_group
 from bcg_plugin.adapters.sglang.metrics import stats_reporter
 from bcg_plugin.dist import first_rank
 from bcg_plugin.errors import BcgCaptureError
@@ -215,11 +215,13 @@ class BcgPrefillRunner:
                 earlier = previous
         planned = faults.replay_metadata("sglang", bucket, live=forward_batch, earlier=earlier)
         if planned is not forward_batch:
-            backend.init_forward_metadata(planned)
+            with batch_forward_context(self.model_runner, planned):
+                backend.init_forward_metadata(planned)
             return
         if hasattr(self.model_runner.model, "prepare_forward_batch"):
             self.model_runner.model.prepare_forward_batch(forward_batch)
-        backend.init_forward_metadata(forward_batch)
+        with batch_forward_context(self.model_runner, forward_batch):
+            backend.init_forward_metadata(forward_batch)
 
     def close(self) -> None:
         self.core.close()
