@@ -208,3 +208,25 @@ def test_bench_capture_time_and_memory_leave_out_vllms_profiling_capture(monkeyp
     timed(runner, **({"profile_only": True} if how == "profile_only" else {}))
     assert timers.graph_bytes == (2**30 if how == "real" else 0)
     assert (timers.capture_s > 0) == (how == "real")
+
+
+def test_bench_timers_leave_bcgs_runner_patches_verifiable(monkeypatch, vllm_plugin_off):
+    """The bcg modes install the runner patches, then the timers over them; vLLM's front end then
+    verifies the runner set before enabling bcg. A timer that hides the patched signature made it
+    decline ("the vLLM model runner changed") and the bcg modes measured vLLM without bcg."""
+    import vllm.v1.worker.gpu.model_runner as v2
+    import vllm.v1.worker.gpu_model_runner as v1
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from bcg_bench import vllm_mode as bench
+    from bcg_plugin.adapters.vllm import plugin
+    from bcg_plugin.patches.vllm import RUNNER
+
+    monkeypatch.setattr(Worker, "initialize_from_config", Worker.initialize_from_config)
+    for module in (v1, v2):  # install() wraps these; restored after the test
+        monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
+        monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
+    assert plugin.apply_runner_patches()
+    bench.Timers().install()
+    assert RUNNER.problems() == []
+    assert plugin.runner_patch_problem() is None
