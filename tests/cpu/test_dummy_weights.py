@@ -45,6 +45,7 @@ def test_rescale_loaded_refuses_tensors(gpu_test_module):
         gpu_test_module("dummy_weights").rescale_loaded(dummy_model(), [("x", torch.zeros(1))])
 
 
+@pytest.mark.sglang
 def test_sglang_weight_updater_runs_the_loader_by_name(monkeypatch, gpu_test_module):
     """The real SGLang ``WeightUpdater`` imports the loader by its name and calls it on the model."""
     pytest.importorskip("sglang")
