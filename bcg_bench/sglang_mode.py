@@ -1,7 +1,8 @@
 """One SGLang benchmark mode in its own process: ``python -m bcg_bench.sglang_mode --mode M ...``.
 
 Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its CUDA default),
-``tc_piecewise`` (torch.compile piecewise graphs) and ``bcg``. Per N: the median end-to-end
+``full`` (SGLang's full prefill graphs, attention inside the graph), ``tc_piecewise`` (torch.compile
+piecewise graphs; SGLang removed it in 0.5.22) and ``bcg``. Per N: the median end-to-end
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
 and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
@@ -26,7 +27,24 @@ from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV
 
-MODES = {"disabled": "disabled", "native": "breakable", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
+MODES = {"disabled": "disabled", "native": "breakable", "full": "full", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
+# Modes an SGLang release no longer has: (first release without it, what to run instead).
+RETIRED = {"tc_piecewise": ("0.5.22", "full or native")}
+
+
+def mode_problem(mode: str, installed: str | None) -> str | None:
+    """Why ``mode`` cannot run on SGLang ``installed``, or ``None``."""
+    from packaging.version import InvalidVersion, Version
+
+    if mode not in RETIRED or installed is None:
+        return None
+    gone, instead = RETIRED[mode]
+    try:
+        if Version(installed) < Version(gone):
+            return None
+    except InvalidVersion:
+        return None
+    return f"mode {mode!r}: SGLang removed it in {gone} (installed: {installed}); run {instead}"
 
 
 def step_tokens(record: dict) -> int:
@@ -138,6 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=int, default=1, help="tp_size")
     p.add_argument("--dp", type=int, default=1, help="dp_size, with DP attention (SGLang needs tp_size >= dp_size)")
     a = p.parse_args(argv)
+    from bcg_plugin.adapters.sglang.version import installed
+
+    problem = mode_problem(a.mode, installed())
+    if problem is not None:
+        p.exit(2, f"bcg bench: {problem}\n")
     sizes = sorted({int(s) for s in a.sizes.split(",") if s.strip()})
     result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed, a.tp, a.dp)
     Path(a.out).write_text(json.dumps(result, indent=2))

@@ -1,9 +1,17 @@
 """One vLLM benchmark mode in this process: ``python -m bcg_bench.vllm_mode --mode M ...``.
 
 Modes: ``eager`` (enforce_eager), ``native`` (vLLM's breakable graphs, default sizes), ``native_ladder``
-(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2), ``bcg`` (bcg
-over the plain model, ``torch_compile`` false), and ``bcg_compile`` (bcg with ``torch_compile``, the
-vLLM adapter's default: its graphs capture vLLM's default piecewise compilation).
+(the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2: vLLM's piecewise
+graphs over its compiled model), ``full`` (vLLM's FULL graphs, attention inside, at bcg's ladder up
+to the chunk: the mode to beat where the attention backend graphs any batch mix), ``bcg`` (bcg over the
+plain model, ``torch_compile`` false), and ``bcg_compile`` (bcg with ``torch_compile``, the vLLM
+adapter's default: its graphs capture vLLM's default piecewise compilation).
+
+Each mode is one prefill runtime whatever the model: ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is ``1`` for the
+native modes (a dense model is not on the list of architectures vLLM graphs breakably by itself from
+0.29) and ``0`` for eager, compile and full (so a listed architecture does not switch compile to
+breakable graphs); unset for the bcg modes, where bcg sets it. ``VLLM_USE_V2_MODEL_RUNNER`` is left as
+the caller sets it (``0`` selects the V1 runner, still selectable on every release bcg covers).
 Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
 ``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
 wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
@@ -52,19 +60,27 @@ from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.ranks import FileBarrier, free_port
 
-MODES = ("eager", "native", "native_ladder", "compile", "bcg", "bcg_compile")
+MODES = ("eager", "native", "native_ladder", "compile", "full", "bcg", "bcg_compile")
 # vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
 # (EngineCore._has_global_unfinished_reqs in 0.26): the floor of a DP request's generate() time.
 DP_WAVE_MIN_STEPS = 32
 
 
-def _env_for(mode: str, in_process: bool = True) -> None:
-    # Must happen before vLLM is imported: the breakable-graph decorator is decided at import.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+def breakable_env(mode: str) -> str | None:
+    """``VLLM_USE_BREAKABLE_CUDAGRAPH`` for ``mode`` (``None``: unset, bcg's to set)."""
     if mode in ("native", "native_ladder"):
-        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1"
-    else:
+        return "1"
+    return None if mode.startswith("bcg") else "0"
+
+
+def _env_for(mode: str, in_process: bool = True) -> None:
+    # Before vLLM is imported: through 0.26 the breakable-graph decorator is decided at import.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    value = breakable_env(mode)
+    if value is None:
         os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+    else:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = value
 
 
 class Timers:
@@ -74,6 +90,7 @@ class Timers:
         from bcg_bench.profile import ForwardProfiler
 
         self.capture_s = 0.0
+        self.profile_capture_s = 0.0
         self.kv_cache_bytes = 0
         self.graph_bytes = 0
         self.allocator_bytes = 0
@@ -96,6 +113,11 @@ class Timers:
         import torch
 
         def capture_model(runner, *args, **kwargs):
+            if profiling_capture(runner, kwargs):  # vLLM's graph-memory estimate: released, not the capture
+                start = time.perf_counter()
+                result = original(runner, *args, **kwargs)
+                self.profile_capture_s += time.perf_counter() - start
+                return result
             torch.cuda.synchronize()
             free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
             reserved_before = torch.cuda.memory_reserved()
@@ -181,6 +203,9 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
     elif mode == "native_ladder":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
                                         "max_cudagraph_capture_size": chunk}
+    elif mode == "full":  # FULL graphs of every batch up to the chunk (FLASH_ATTN/TRITON_ATTN graph any mix)
+        kwargs["compilation_config"] = {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": reference_ladder(chunk),
+                                        "max_cudagraph_capture_size": chunk}
     elif mode == "bcg":  # bcg over the plain model (vLLM's compilation off)
         kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": False}}
     elif mode == "bcg_compile":  # bcg over vLLM's default (-O2) piecewise compilation
@@ -247,9 +272,12 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         print(f"[{mode}] N={n}: e2e {e2e[str(n)]:.2f} ms, forward {fwd.get(str(n), float('nan')):.2f} ms", flush=True)
 
     result = {"mode": mode, "size_order": "interleaved", "e2e_ms": e2e, "init_s": init_s, "tensor_parallel_size": tp,
+              "vllm_version": _vllm_version(), "breakable_env": os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH"),
+              "v2_model_runner": os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
               "data_parallel_size": dp, "host_speed": speed.summary()}
     if tp == 1 and dp == 1:
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
+                      profile_capture_s=timers.profile_capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,
                       device_used_gib=device_used / 2**30, kv_cache_gib=timers.kv_cache_bytes / 2**30,
                       host_profile=timers.profiler.summary if timers.profiler else None)
@@ -271,6 +299,14 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     return result
 
 
+def profiling_capture(runner: Any, kwargs: dict) -> bool:
+    """Whether this ``capture_model`` call is vLLM's graph-memory profiling (V2 runner, 0.29+), whose
+    graphs are released before the real capture: ``profile_only`` (0.30+), or the profiling flag on
+    the runner's graph manager (0.29 passes no argument)."""
+    manager = getattr(runner, "cudagraph_manager", None)
+    return bool(kwargs.get("profile_only")) or getattr(manager, "_capture_mem_samples", None) is not None
+
+
 def used_device_bytes() -> int:
     """Device memory in use on this process's GPU (the engine's, at tp=1: one mode runs at a time)."""
     import torch
@@ -285,6 +321,12 @@ def first_token_ms(outputs: Any) -> float | None:
     metrics = getattr(outputs[0], "metrics", None) if outputs else None
     latency = getattr(metrics, "first_token_latency", None)
     return latency * 1e3 if latency else None
+
+
+def _vllm_version() -> str | None:
+    from bcg_plugin.versions import installed_version
+
+    return installed_version("vllm")
 
 
 def dp_rank_envs(dp: int) -> list[dict[str, str]]:

@@ -1,4 +1,4 @@
-"""The vLLM bench's mode process (bcg_bench.vllm_mode) against the real vllm 0.26.0 package, on CPU."""
+"""The vLLM bench's mode process (bcg_bench.vllm_mode) against the real vllm package installed, on CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("mode", ["eager", "native_ladder", "bcg"])
+@pytest.mark.parametrize("mode", ["eager", "native", "native_ladder", "compile", "full", "bcg", "bcg_compile"])
 def test_bench_engine_kwargs_are_vllm_engine_args(mode):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -151,3 +151,60 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
     Worker.initialize_from_config(object(), 3 * 2**30)
     assert timers.kv_cache_bytes == 3 * 2**30
     assert bench.used_device_bytes() == (140 - 77) * 2**30
+
+
+def test_bench_has_the_six_modes_and_full_graphs_every_batch_up_to_the_chunk():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from bcg_bench import harness
+    from bcg_bench.vllm_mode import MODES, engine_kwargs
+    from bcg_plugin.ladder import reference_ladder
+
+    assert {"eager", "compile", "native", "native_ladder", "full", "bcg"} <= set(MODES)
+    assert harness.ENGINES["vllm"]["modes"] == list(MODES)
+    cc = EngineArgs(**engine_kwargs("full", "qwen3-0.6b", [16, 4096])).compilation_config
+    cc = cc if isinstance(cc, dict) else cc.__dict__
+    assert str(cc["cudagraph_mode"]).endswith("FULL") and cc["max_cudagraph_capture_size"] == 4096
+    assert cc["cudagraph_capture_sizes"] == reference_ladder(4096)
+    assert "compilation_config" not in engine_kwargs("compile", "qwen3-0.6b", [16, 4096])  # vLLM's default
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("native", "1"), ("native_ladder", "1"), ("eager", "0"), ("compile", "0"), ("full", "0"),
+    ("bcg", None), ("bcg_compile", None)])
+def test_each_bench_mode_is_one_prefill_runtime_whatever_the_architecture(monkeypatch, mode, expected):
+    """vLLM's breakable graphs on for the native modes (a dense model is not on vLLM's own list), off
+    for the others, and left to bcg in the bcg modes."""
+    from bcg_bench import vllm_mode as bench
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "stale")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    bench._env_for(mode)
+    import os
+
+    assert os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == expected
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize("how", ["profile_only", "manager_flag", "real"])
+def test_bench_capture_time_and_memory_leave_out_vllms_profiling_capture(monkeypatch, how):
+    import torch
+
+    from bcg_bench import vllm_mode as bench
+
+    free = [80 * 2**30]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free[0], 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 0)
+
+    def capture_model(runner, **kwargs):
+        free[0] -= 2**30
+        return 0
+
+    timers = bench.Timers()
+    timed = timers._timed_capture(capture_model)
+    manager = types.SimpleNamespace(_capture_mem_samples=[] if how == "manager_flag" else None)
+    runner = types.SimpleNamespace(cudagraph_manager=manager)
+    timed(runner, **({"profile_only": True} if how == "profile_only" else {}))
+    assert timers.graph_bytes == (2**30 if how == "real" else 0)
+    assert (timers.capture_s > 0) == (how == "real")

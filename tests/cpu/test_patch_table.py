@@ -34,15 +34,17 @@ def test_every_patch_module_is_in_a_set_and_every_patch_in_the_table(host):
     modules = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"bcg_plugin.patches.{host}.{info.name}")
-        if hasattr(module, "PATCH"):
-            modules[module.__name__] = module.PATCH
+        if hasattr(module, "PATCH") or hasattr(module, "PATCHES"):
+            modules[module.__name__] = patches.descriptors(module)
     assert modules, f"no patch modules found in bcg_plugin.patches.{host}"
     in_sets = [p for s in package.SETS for p in s.patches]
-    assert sorted(p.module for p in in_sets) == sorted(modules)  # each once, none left out
-    assert all(modules[p.module] is p for p in in_sets)
+    # every descriptor of every module once, none left out
+    assert sorted(p.module for p in in_sets) == sorted(m for m, found in modules.items() for _ in found)
+    assert all(any(p is d for d in modules[p.module]) for p in in_sets)
     text = README_PATH.read_text()
-    for name, patch in modules.items():
-        assert f"| `{name.rpartition('.')[2]}.py` | `{patch.target}`" in text
+    for name, found in modules.items():
+        for patch in found:
+            assert f"| `{name.rpartition('.')[2]}.py` | `{patch.target}`" in text
 
 
 @pytest.mark.parametrize("host", ["vllm", "sglang"])

@@ -27,11 +27,25 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
     is_in_breakable_cuda_graph,
 )
 
-from bcg_plugin import BcgCaptureError, BcgConfig, Fallback, PrefillGraphRunner, live, plugin_manager  # noqa: E402
-from bcg_plugin.adapters.sglang import attention  # noqa: E402
+from sglang.srt.layers import radix_attention  # noqa: E402
+
+from bcg_plugin import (  # noqa: E402
+    BcgCaptureError, BcgConfig, BcgStateError, Fallback, PrefillGraphRunner, live, plugin_manager,
+)
+from bcg_plugin.adapters.sglang import attention, version  # noqa: E402
 from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag  # noqa: E402
-from bcg_plugin.patches import PatchTargetError  # noqa: E402
-from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable  # noqa: E402
+from bcg_plugin.patches import PatchTargetError, descriptors  # noqa: E402
+from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable, radix_attention_eager  # noqa: E402
+
+# SGLang 0.5.23 replaced the module-level breakable attention ops with RadixAttention's eager method.
+EAGER_METHOD = not hasattr(radix_attention, "breakable_unified_attention_with_output")
+
+
+def installed_descriptor(module):
+    """The descriptor of patch ``module`` for the installed SGLang (one per release)."""
+    found = [p for p in descriptors(module) if p.applies_to(version.installed())]
+    assert len(found) == 1, (module.__name__, version.installed(), found)
+    return found[0]
 
 HEADS, HEAD_DIM = 2, 4
 WIDTH = HEADS * HEAD_DIM
@@ -63,9 +77,11 @@ class _ExtendBackend:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.seen_cache_loc_rows: list[int] = []
+        self.seen_position_rows: list[int] = []
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         self.seen_cache_loc_rows.append(forward_batch.out_cache_loc.shape[0])
+        self.seen_position_rows.append(forward_batch.positions.shape[0])
         if save_kv_cache:
             forward_batch.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         if self.fail:
@@ -80,8 +96,13 @@ def _padded_dp_batch(backend, *, bucket=16, landed=12, real=5):
     ``real`` are its own tokens; the graph's bucket holds ``bucket`` rows."""
     slots = torch.arange(100, 100 + landed)
     slots[real:] = 0  # SGLang's padding slot
-    fb = types.SimpleNamespace(out_cache_loc=slots, num_token_non_padded_cpu=real,
-                               token_to_kv_pool=_StoreCacheKV(128), _attn_output=None)
+    # The real-token count under the name the installed SGLang's ForwardBatch uses (0.5.20 renamed it).
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    real_field = ("global_num_token_non_padded_cpu" if "global_num_token_non_padded_cpu" in ForwardBatch.__dataclass_fields__
+                  else "num_token_non_padded_cpu")
+    fb = types.SimpleNamespace(out_cache_loc=slots, token_to_kv_pool=_StoreCacheKV(128), _attn_output=None,
+                               positions=torch.arange(landed), **{real_field: real})
     fwd = attention.ForwardPass(forward_batch=fb, attn_backend=backend, attention_layers=[object()])
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(bucket, WIDTH, generator=gen) for _ in range(3))
@@ -102,6 +123,9 @@ def test_attention_stores_the_real_rows_of_a_dp_padded_batch_and_restores_its_ca
     assert torch.equal(out[:5], q[:5] * 2 + 1)
     assert not out[5:].any()  # DP-padded and bucket-padded rows zeroed
     assert fb.out_cache_loc is slots and fb._attn_output is None  # the logits tail sees the batch's own
+    assert fb.positions.shape[0] == 12  # the batch's own again
+    # Where SGLang's eager attention narrows the positions (0.5.23 on), the backend saw the real rows'.
+    assert backend.seen_position_rows == [5 if attention._narrows_positions() else 12]
 
 
 def test_attention_restores_the_cache_slots_when_the_backend_raises():
@@ -121,7 +145,7 @@ def test_attention_restores_the_cache_slots_when_the_backend_raises():
 def bound_patch(monkeypatch):
     """The patch applied as the SGLang patch set applies it (it binds SGLang's variable)."""
     monkeypatch.setattr(breakable_capture_var, "_capture_var", None)
-    patch = breakable_capture_var.PATCH
+    patch = installed_descriptor(breakable_capture_var)
     patch.unapply()
     patch.apply()
     assert patch.in_place()
@@ -158,27 +182,57 @@ def test_outside_bcg_capture_sglang_breaks_run_as_sglang_runs_them(bound_patch):
     assert op(2) == 3 and calls == [1, 2]  # nothing left behind by bcg's capture
 
 
-@pytest.mark.parametrize("module, attr, op_name", [
-    ("sglang.srt.layers.radix_linear_attention", "bcg_unified_linear_attention_with_output",
-     "torch.ops.sglang.unified_linear_attention_with_output"),
-    ("sglang.srt.layers.radix_attention", "breakable_unified_attention_with_output_and_lse",
-     "torch.ops.sglang.unified_attention_with_output_and_lse"),
-    ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla", "bcg_mla_bmm_then_unified_attention",
-     "torch.ops.sglang.mla_bmm_then_unified_attention"),
-    ("sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph", "break_graph",
-     "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph.break_graph"),
-])
+_BREAK_MODULE = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
+if EAGER_METHOD:  # 0.5.23: SGLang's breaks are eager_on_graph methods
+    OWN_BREAKS = [
+        ("sglang.srt.layers.radix_linear_attention", "RadixLinearAttention._eager_linear_attention",
+         "sglang.srt.layers.radix_linear_attention.RadixLinearAttention._eager_linear_attention"),
+        ("sglang.srt.layers.radix_attention", "RadixAttention._eager_attention",  # without bcg's patch
+         "sglang.srt.layers.radix_attention.RadixAttention._eager_attention"),
+        (_BREAK_MODULE, "break_graph", f"{_BREAK_MODULE}.break_graph"),
+    ]
+else:
+    OWN_BREAKS = [
+        ("sglang.srt.layers.radix_linear_attention", "bcg_unified_linear_attention_with_output",
+         "torch.ops.sglang.unified_linear_attention_with_output"),
+        ("sglang.srt.layers.radix_attention", "breakable_unified_attention_with_output_and_lse",
+         "torch.ops.sglang.unified_attention_with_output_and_lse"),
+        ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla", "bcg_mla_bmm_then_unified_attention",
+         "torch.ops.sglang.mla_bmm_then_unified_attention"),
+        (_BREAK_MODULE, "break_graph", f"{_BREAK_MODULE}.break_graph"),
+    ]
+    if hasattr(radix_attention, "breakable_unified_sparse_attention_with_output"):  # 0.5.22
+        OWN_BREAKS.append(("sglang.srt.layers.radix_attention", "breakable_unified_sparse_attention_with_output",
+                           "torch.ops.sglang.unified_sparse_attention_with_output"))
+
+
+def _resolve(module: str, attr: str):
+    value = importlib.import_module(module)
+    for part in attr.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@pytest.mark.parametrize("module, attr, op_name", OWN_BREAKS)
 def test_sglang_own_breaks_are_refused_by_name(bound_patch, module, attr, op_name):
-    op = getattr(importlib.import_module(module), attr)
+    op = _resolve(module, attr)
     with _breakable_capture_flag(), pytest.raises(BcgCaptureError) as caught:
         op()  # refused before its arguments are looked at
-    assert f"graph break {op_name} (called from " in str(caught.value)
+    message = str(caught.value)
+    assert f"graph break {op_name} (called from " in message
+    assert "breakable_cuda_graph.py" not in message.split("called from", 1)[1]  # the caller, not SGLang's wrapper
 
 
 def test_the_break_bcg_routes_is_not_refused(bound_patch, monkeypatch):
-    """RadixAttention's unified op goes to bcg's break, never reaching SGLang's wrapper."""
-    from sglang.srt.layers import radix_attention
+    """RadixAttention's break goes to bcg's break, never reaching SGLang's wrapper: the module-level
+    unified op through 0.5.22, the eager-attention method from 0.5.23."""
+    if EAGER_METHOD:
+        _eager_method_is_bcgs_break_and_its_variants_are_refused(monkeypatch)
+    else:
+        _unified_op_is_bcgs_break(monkeypatch)
 
+
+def _unified_op_is_bcgs_break(monkeypatch):
     seen = []
     monkeypatch.setattr(attention, "bcg_attention", lambda *a, **kw: seen.append(a[4:]))
     fwd = attention.ForwardPass(forward_batch=None, attn_backend=None, attention_layers=[])
@@ -190,6 +244,31 @@ def test_the_break_bcg_routes_is_not_refused(bound_patch, monkeypatch):
         with pytest.raises(BcgCaptureError):  # the same wrapper, reached directly, is refused
             radix_attention.breakable_unified_attention_with_output(q, q, q, q, True, 7)
     assert seen == [(True, 7)]
+
+
+def _eager_method_is_bcgs_break_and_its_variants_are_refused(monkeypatch):
+    """0.5.23: the method's graph entry goes to bcg's break while bcg captures; its LSE, sparse and
+    extra-kwargs forms fail the capture; its explicit eager entry stays SGLang's."""
+    original = radix_attention.RadixAttention.__dict__["_eager_attention"]
+    seen = []
+    monkeypatch.setattr(attention, "bcg_attention", lambda *a, **kw: seen.append((a[4:], kw)))
+    method = radix_attention_eager.make(original, capturing=attention.capturing,
+                                        layer_attention_break=attention.layer_attention_break)
+    assert method._eager_call is original._eager_call and callable(method.run_eager)
+    layer = types.SimpleNamespace(layer_id=7)
+    fwd = attention.ForwardPass(forward_batch=None, attn_backend=None, attention_layers=[])
+    q = torch.zeros(4, WIDTH)
+    with _breakable_capture_flag(), live.bound(live.LiveBatch(4, 4, fwd)):
+        method(layer, q, q, q, q, True, None, None, None)
+        assert seen == [((True, 7), {"key_value_num_tokens": None})]
+        for args, kwargs, what in [((None, None, q), {}, "log-sum-exp"), ((None, q, None), {}, "sparse-indexer"),
+                                   ((), {"return_lse": True}, "log-sum-exp"),
+                                   ((), {"score_mod": lambda *a: a}, "score_mod")]:
+            with pytest.raises(BcgStateError, match=what):
+                method(layer, q, q, q, q, True, *args, **kwargs)
+        with pytest.raises(BcgCaptureError):  # SGLang's own method, reached without bcg's patch, is refused
+            original(layer, q, q, q, q, True)
+    assert len(seen) == 1
 
 
 class _FakePool:
@@ -249,15 +328,34 @@ def verify(patch) -> str | None:
 
 
 def test_the_patch_verifies_against_the_installed_sglang():
-    assert verify(breakable_capture_var.PATCH) is None
+    assert verify(installed_descriptor(breakable_capture_var)) is None
+
+
+def test_each_descriptor_probes_its_own_decorator_form():
+    def refuses(*args, **kwargs):
+        raise TypeError("this form is not supported")
+
+    switch_first, bare = breakable_capture_var.PATCHES
+    assert "eager_on_graph(True) no longer decorates" in verify_with(switch_first, refuses)
+    assert "eager_on_graph(fn) no longer decorates" in verify_with(bare, refuses)
+
+
+def verify_with(patch, decorator) -> str:
+    original = sglang_bcg.eager_on_graph
+    sglang_bcg.eager_on_graph = decorator
+    try:
+        return verify(patch) or ""
+    finally:
+        sglang_bcg.eager_on_graph = original
 
 
 def test_the_patch_refuses_an_sglang_whose_wrapper_runs_breaks_inline(monkeypatch):
-    def inline_eager_on_graph(enable, capture_stub=None):
-        return lambda inner: inner  # a wrapper that never consults the capture
+    def inline_eager_on_graph(fn=None, capture_stub=None, **kw):
+        decorate = lambda inner: inner  # noqa: E731  a wrapper that never consults the capture
+        return decorate if fn is None or isinstance(fn, bool) else decorate(fn)
 
     monkeypatch.setattr(sglang_bcg, "eager_on_graph", inline_eager_on_graph)
-    problem = verify(breakable_capture_var.PATCH)
+    problem = verify(installed_descriptor(breakable_capture_var))
     assert problem is not None and "no longer ends the capture's segment" in problem
     assert sglang_bcg._current_capture_var.get() is None
 
@@ -285,11 +383,18 @@ out = {"active": is_active(), "bound": breakable_capture_var._capture_var is bre
 routed = []
 attention.bcg_attention = lambda *a, **kw: routed.append(a[4:])
 q = torch.zeros(4, 8)
+if hasattr(radix_attention, "breakable_unified_attention_with_output"):
+    attend = lambda: radix_attention.breakable_unified_attention_with_output(q, q, q, q, True, 3)
+    linear = radix_linear_attention.bcg_unified_linear_attention_with_output
+else:  # 0.5.23: RadixAttention's eager method, as RadixAttention.forward calls it
+    layer = radix_attention.RadixAttention(num_heads=2, head_dim=4, scaling=1.0, num_kv_heads=2, layer_id=3)
+    attend = lambda: layer._eager_attention(q, q, q, q, True, None, None, None)
+    linear = radix_linear_attention.RadixLinearAttention._eager_linear_attention
 try:
     with _breakable_capture_flag(), live.bound(live.LiveBatch(4, 4, attention.ForwardPass(None, None, []))):
-        radix_attention.breakable_unified_attention_with_output(q, q, q, q, True, 3)
+        attend()
         try:
-            radix_linear_attention.bcg_unified_linear_attention_with_output()
+            linear()
         except BcgCaptureError as e:
             out["refused"] = str(e)
 except Exception as e:
@@ -313,7 +418,9 @@ def test_an_enabled_scheduler_routes_radix_attention_and_refuses_the_rest():
     out = _run_installed(BCG_ENABLE="1")
     assert out["active"] and out["bound"], out
     assert out["routed"] == [[True, 3]]  # RadixAttention's unified op: bcg's break, through the hook
-    assert "graph break torch.ops.sglang.unified_linear_attention_with_output" in out.get("refused", ""), out
+    linear = ("sglang.srt.layers.radix_linear_attention.RadixLinearAttention._eager_linear_attention" if EAGER_METHOD
+              else "torch.ops.sglang.unified_linear_attention_with_output")
+    assert f"graph break {linear}" in out.get("refused", ""), out
 
 
 def test_a_scheduler_without_bcg_leaves_the_variable_unbound():

@@ -1,4 +1,4 @@
-"""The SGLang adapter against the real sglang 0.5.17 package, on CPU.
+"""The SGLang adapter against the installed sglang package (any supported release), on CPU.
 
 In-process tests only read SGLang (resolve targets, signatures); anything that installs hooks runs
 in a fresh interpreter, as SGLang's own spawned schedulers do, so this process stays unpatched.
@@ -11,11 +11,13 @@ import logging
 import os
 import subprocess
 import sys
+import inspect
 import textwrap
 import types
 from importlib.metadata import entry_points
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 pytest.importorskip("sglang")
 
@@ -36,16 +38,39 @@ QWEN3_CONFIG = {
     "rope_theta": 1000000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
     "hidden_act": "silu", "attention_bias": False,
 }
-RUNTIME_TARGETS = {
-    "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph",
-    "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output",
-    "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
-    "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs",
-}
-LAUNCH_TARGETS = {"sglang.srt.server_args.ServerArgs.__post_init__"}  # hooks; the launch set also rebinds:
-BACKENDS_TARGET = "sglang.srt.model_executor.cuda_graph_config.Backend.ALL"
-CAPTURE_VAR_TARGET = ("sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph."
-                      "_current_capture_var")  # a rebind, not a hook
+INSTALLED = version.installed()
+
+
+def for_installed(table: list[tuple[str, set[str]]]) -> set[str]:
+    """The targets of ``table`` (release range, targets), written from SGLang's sources, that the
+    installed release has."""
+    return set().union(*(targets for hosts, targets in table if SpecifierSet(hosts).contains(INSTALLED, prereleases=True)))
+
+
+# Hooks (SGLang's HookRegistry), per release range.
+RUNTIME_TARGETS = for_installed([
+    (">=0.5.17", {"sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"}),
+    (">=0.5.21", {"sglang.srt.managers.scheduler_components.dp_attn._local_prefill_cuda_graph_vote"}),
+    ("<0.5.23", {  # the module-level breakable attention ops, gone in 0.5.23
+        "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output",
+        "sglang.srt.layers.radix_attention.breakable_unified_attention_with_output_and_lse",
+        "sglang.srt.layers.radix_attention.breakable_attention_with_output_extra_kwargs",
+    }),
+])
+LAUNCH_TARGETS = for_installed([
+    ("<0.5.20", {"sglang.srt.server_args.ServerArgs.__post_init__"}),
+    (">=0.5.20", {"sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.ServerArgs.resolve_once"}),
+])
+# Rebinds and in-place wraps, not hooks.
+BACKENDS_TARGETS = for_installed([("<0.5.20", {"sglang.srt.model_executor.cuda_graph_config.Backend.ALL"})])
+RUNTIME_WRAPS = for_installed([
+    (">=0.5.17", {"sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph."
+                  "_current_capture_var"}),
+    (">=0.5.23", {"sglang.srt.layers.radix_attention.RadixAttention._eager_attention"}),
+])
+# Through 0.5.19 the flag's argparse choices are Backend.ALL, read when the parser is built; from 0.5.20
+# they are fixed at import and bcg extends the prefill option alone.
+LAZY_CHOICES = bool(BACKENDS_TARGETS)
 
 
 # -- discovery and targets ---------------------------------------------------------------------
@@ -79,7 +104,7 @@ def all_patches():
 
 def test_every_target_resolves_with_the_expected_signature():
     patches = all_patches()
-    assert {p.target for p in patches} >= RUNTIME_TARGETS | LAUNCH_TARGETS
+    assert {p.target for p in patches} == RUNTIME_TARGETS | LAUNCH_TARGETS | BACKENDS_TARGETS | RUNTIME_WRAPS
     assert PatchSet("sglang", patches).problems(plugin.calls()) == []
 
 
@@ -226,8 +251,13 @@ def fake_batch(n, across=None, agreed=True):
     return types.SimpleNamespace(
         batch_size=1, input_ids=[0] * n, input_embeds=None, replace_embeds=None, extend_prefix_lens_cpu=[0],
         forward_mode=ForwardMode.EXTEND, capture_hidden_mode=CaptureHiddenMode.NULL, return_logprob=False,
-        global_num_tokens_cpu=across, can_run_dp_breakable_cuda_graph=agreed,
+        global_num_tokens_cpu=across, **{DP_VOTE: agreed},
     )
+
+
+# The ForwardBatch field carrying SGLang's DP vote (renamed in 0.5.19).
+DP_VOTE = for_installed([("<0.5.19", {"can_run_dp_breakable_cuda_graph"}),
+                         (">=0.5.19", {"can_run_dp_prefill_cuda_graph"})]).pop()
 
 
 def test_dp_ranks_replay_together_or_not_at_all():
@@ -250,6 +280,46 @@ def test_a_keyword_a_later_sglang_adds_means_eager_not_a_crash(caplog):
     assert r.core.stats.fallbacks["feature_not_captured"] == 1  # the eager forward is counted
     named = [m for m in caplog.messages if "some_new_condition" in m]
     assert len(named) == 1 and len(caplog.messages) == 1  # one line names it; then quiet
+
+
+def schedule_batch(mode_name: str, tokens: int = 40):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode_name), batch_size=lambda: 2,
+                                 extend_num_tokens=tokens, input_embeds=None, replace_embeds=None, prefix_lens=[0, 3],
+                                 return_logprob=False, seq_lens_cpu=None, multimodal_inputs=None, reqs=[],
+                                 has_grammar=False)
+
+
+def test_bcg_runner_casts_its_own_dp_vote():
+    """SGLang 0.5.21 on votes no for any prefill runner not of its own class; the hook asks bcg's."""
+    from sglang.srt.managers.scheduler_components import dp_attn
+
+    from bcg_plugin.adapters.sglang import replay
+    from bcg_plugin.patches.sglang import dp_prefill_vote
+
+    # The vote is a function of its own from 0.5.19 (inline in the DP sync before).
+    original = getattr(dp_attn, "_local_prefill_cuda_graph_vote", None)
+    r = vote_runner()
+    vote = dp_prefill_vote.make(dp_prefill_vote=replay.dp_prefill_vote)
+
+    def sglangs_vote(**kwargs):
+        return "SGLang's own vote"
+
+    def cast(batch, runner=r, fn=None, hook=True):
+        fn = fn or original or sglangs_vote
+        kwargs = dict(local_batch=batch, prefill_graph_runner=runner, coordinated_prefill=True,
+                      breakable_prefill=True, spec_algorithm=None, model_config=None)
+        if original is not None and "num_tokens" in inspect.signature(original).parameters:
+            kwargs["num_tokens"] = batch.extend_num_tokens if batch is not None else 0
+        return vote(fn, **kwargs) if hook else fn(**kwargs)
+
+    assert cast(schedule_batch("EXTEND")) is True and cast(schedule_batch("MIXED")) is True and cast(None) is True
+    assert cast(schedule_batch("EXTEND", tokens=65)) is False  # above the top bucket: the rule at forward time
+    assert cast(schedule_batch("DECODE")) is False  # SGLang's decode-to-extend conversion is for its own runner
+    assert cast(schedule_batch("EXTEND"), runner=object(), fn=sglangs_vote) == "SGLang's own vote"  # not bcg's
+    if "dp_prefill_vote" in {p.module.rpartition(".")[2] for p in plugin._patch_set(runtime=True)}:
+        assert cast(schedule_batch("EXTEND"), hook=False) is False  # what SGLang alone votes for bcg's runner
 
 
 def test_execute_refuses_a_batch_it_did_not_plan():
@@ -280,10 +350,18 @@ SCENARIO = textwrap.dedent(
     model = sys.argv[1]
     base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
     os.environ.pop("BCG_ENABLE", None)
+    def prefill_backend(a):
+        # From 0.5.19 resolution is a separate step, and from 0.5.20 the record keeps the input and
+        # reports what resolution decided through resolved_dict().
+        if hasattr(a, "resolve_once"):
+            a.resolve_once()
+        if hasattr(a, "resolved_dict"):
+            return a.resolved_dict()["cuda_graph_config"]["prefill"]["backend"]
+        return a.cuda_graph_config.prefill.backend
     def parse(extra):
         try:
             a = prepare_server_args(base + extra)
-            return {"flag": a.cuda_graph_backend_prefill, "prefill": a.cuda_graph_config.prefill.backend,
+            return {"prefill": prefill_backend(a), "flag": a.cuda_graph_backend_prefill,
                     "env": os.environ.get("BCG_ENABLE")}
         except SystemExit as e:
             return {"exit": e.code}
@@ -296,9 +374,18 @@ SCENARIO = textwrap.dedent(
     try:
         a = ServerArgs(model_path=model, skip_tokenizer_init=True, load_format="dummy", device="cpu",
                        cuda_graph_backend_prefill="bcg")
+        prefill_backend(a)
         out["engine_kwargs"] = {"flag": a.cuda_graph_backend_prefill, "env": os.environ.get("BCG_ENABLE")}
     except Exception as e:
         out["engine_kwargs"] = {"error": type(e).__name__, "message": str(e)}
+    os.environ.pop("BCG_ENABLE", None)
+    try:
+        a = ServerArgs(model_path=model, skip_tokenizer_init=True, load_format="dummy", device="cpu",
+                       cuda_graph_backend_decode="bcg")
+        prefill_backend(a)
+        out["engine_decode_bcg"] = {"flag": a.cuda_graph_backend_decode}
+    except Exception as e:
+        out["engine_decode_bcg"] = {"error": type(e).__name__, "message": str(e)}
     os.environ["BCG_SIZES"] = "16,x"
     out["cli_bad_sizes"] = parse(["--cuda-graph-backend-prefill", "bcg"])
     print("SCENARIO " + json.dumps(out))
@@ -333,8 +420,13 @@ UNSUPPORTED_SCENARIO = textwrap.dedent(
     base = ["--model-path", model, "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu"]
 
     def described(args):
-        return {"flag": args.cuda_graph_backend_prefill, "prefill": args.cuda_graph_config.prefill.backend,
-                "env": os.environ.get("BCG_ENABLE")}
+        if hasattr(args, "resolve_once"):
+            args.resolve_once()
+        if hasattr(args, "resolved_dict"):
+            prefill = args.resolved_dict()["cuda_graph_config"]["prefill"]["backend"]
+        else:
+            prefill = args.cuda_graph_config.prefill.backend
+        return {"flag": args.cuda_graph_backend_prefill, "prefill": prefill, "env": os.environ.get("BCG_ENABLE")}
 
     def cli(extra):
         parser = argparse.ArgumentParser()
@@ -418,14 +510,15 @@ def test_unsupported_sglang_engine_keyword_runs_sglangs_default_prefill_backend(
 
 def test_enabled_scheduler_installs_every_hook_once(enabled):
     assert enabled["active"]
-    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS | {BACKENDS_TARGET, CAPTURE_VAR_TARGET}
+    assert set(enabled["installed"]) == RUNTIME_TARGETS | LAUNCH_TARGETS | BACKENDS_TARGETS | RUNTIME_WRAPS
     assert all(enabled["hooks"][t] == 1 for t in RUNTIME_TARGETS | LAUNCH_TARGETS)
-    assert "bcg" in enabled["backends"]
+    assert not RUNTIME_WRAPS & set(enabled["hooks"])  # wrapped or rebound by bcg, not through HookRegistry
+    assert ("bcg" in enabled["backends"]) == LAZY_CHOICES  # from 0.5.20 Backend.ALL stays SGLang's
 
 
 def test_not_enabled_is_harmless(not_enabled):
     assert not_enabled["active"]
-    assert set(not_enabled["installed"]) == LAUNCH_TARGETS | {BACKENDS_TARGET}  # the flag and its translation only
+    assert set(not_enabled["installed"]) == LAUNCH_TARGETS | BACKENDS_TARGETS  # the flag and its translation only
     assert not not_enabled["capture_wrapped"]  # SGLang's prefill runner untouched
     assert not RUNTIME_TARGETS & set(not_enabled["hooks"])
     plain = not_enabled["cli_plain"]
@@ -440,7 +533,12 @@ def test_cli_and_engine_flag_enable_bcg(scenario, request):
     assert bcg == {"flag": None, "prefill": plain["prefill"], "env": "1"}, bcg
     assert out["cli_after"]["env"] is None
     assert out["engine_kwargs"] == {"flag": None, "env": "1"}
-    assert out["cli_decode_bcg"]["error"] == "BcgConfigError" and "prefill" in out["cli_decode_bcg"]["message"]
+    if LAZY_CHOICES:  # the decode option shares Backend.ALL, so argparse passes the value to the translation
+        assert out["cli_decode_bcg"]["error"] == "BcgConfigError" and "prefill" in out["cli_decode_bcg"]["message"]
+    else:  # the decode option keeps SGLang's choices: argparse rejects it
+        assert out["cli_decode_bcg"] == {"exit": 2}, out["cli_decode_bcg"]
+    decode = out["engine_decode_bcg"]
+    assert decode.get("error") == "BcgConfigError" and "prefill" in decode["message"], decode
     assert out["cli_bad_sizes"]["error"] == "BcgConfigError" and "'sizes'" in out["cli_bad_sizes"]["message"]
 
 
@@ -490,7 +588,24 @@ def planning_runner(planned: list):
 def extend_batch(n: int = 8):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    return types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * n)
+    return types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[0] * n, moe_num_token_non_padded=None)
+
+
+def test_attention_is_planned_in_the_forward_context_sglang_plans_it_in():
+    """0.5.23 plans a batch's attention inside a forward context carrying the batch; before, outside any."""
+    import inspect as inspect_
+
+    from sglang.srt.model_executor import forward_context
+
+    seen = []
+    r = planning_runner([])
+    r.model_runner.attn_backend.init_forward_metadata = lambda fb: seen.append(forward_context._current)
+    r._plan_attention(extend_batch(), 8)
+    if "forward_batch" in inspect_.signature(forward_context.forward_context).parameters:
+        assert seen[0] is not None and seen[0].attn_backend is r.model_runner.attn_backend
+    else:
+        assert seen == [None]
+    assert forward_context._current is None  # left as found
 
 
 def test_replays_plan_their_own_batch_without_a_fault_plugin():
@@ -597,3 +712,17 @@ def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool
     buckets = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True), chunk_size=top, device="cpu").buckets
     rows_needed = -(-buckets[-1] // context_len)  # the top bucket's capture batch, in request rows
     assert buckets[-1] == top and rows_needed <= pool.req_to_token.shape[0]
+
+
+def test_the_bench_runs_the_modes_the_installed_sglang_has():
+    from bcg_bench import sglang_mode
+
+    assert sglang_mode.MODES["full"] == "full" and sglang_mode.MODES["native"] == "breakable"
+    assert sglang_mode.mode_problem("tc_piecewise", "0.5.21") is None
+    problem = sglang_mode.mode_problem("tc_piecewise", "0.5.22")
+    assert problem is not None and "removed it in 0.5.22" in problem and "full" in problem
+    assert all(sglang_mode.mode_problem(m, "0.5.23") is None for m in ("disabled", "native", "full", "bcg"))
+    with pytest.raises(SystemExit) as e:  # one line and exit 2 where the installed SGLang lacks the mode
+        sglang_mode.main(["--mode", "tc_piecewise", "--out", os.devnull]) if sglang_mode.mode_problem(
+            "tc_piecewise", version.installed()) else sglang_mode.main(["--mode", "no-such-mode", "--out", os.devnull])
+    assert e.value.code == 2

@@ -1,4 +1,5 @@
-"""The vLLM adapter against the real vllm 0.26.0 package, on CPU (no engine is started)."""
+"""The vLLM adapter against the real vllm package installed (any release the gate declares), on CPU
+(no engine is started)."""
 
 from __future__ import annotations
 
@@ -81,8 +82,12 @@ def test_runner_patches_wait_for_a_config_that_enables_bcg(vllm_model_config):
 
 @pytest.mark.parametrize("patch", ALL, ids=lambda p: p.target)
 def test_every_patch_target_has_the_expected_signature(patch):
-    patch.verify(plugin.calls())  # the adapter hands every patch all it calls
+    installed = version.installed()
     assert patch.reason and patch.remove_when
+    if patch.applies_to(installed):
+        patch.verify(plugin.calls())  # the adapter hands every patch all it calls
+    else:  # another release's descriptor: the one for this release is verified in its own case
+        assert [p for p in ALL if p.target == patch.target and p.applies_to(installed)], patch.target
 
 
 def test_a_changed_signature_is_refused_and_nothing_is_applied():
@@ -106,18 +111,21 @@ def test_symbols_a_patch_calls_are_verified_with_its_target():
 
 
 def test_patch_sets_apply_and_unapply_cleanly():
-    wrapped = [p for p in ALL if isinstance(p.how, Wrap)]
+    active = ENTRY.active() + RUNNER.active()  # this release's descriptor of every target
+    assert active and sorted(p.target for p in active) == sorted({p.target for p in ALL})
+    wrapped = [p for p in active if isinstance(p.how, Wrap)]
     originals = {p.target: p.current() for p in wrapped}
     ENTRY.apply(plugin.calls())
     RUNNER.apply(plugin.calls())
-    assert all(is_patched(p) for p in ALL)
+    assert all(is_patched(p) for p in active)
+    assert not any(p.applied for p in ALL if p not in active)  # other releases' descriptors stay out
     RUNNER.apply(plugin.calls())  # idempotent: no double wrapping
     assert all(getattr(p.current(), "__bcg_patch__", None) is originals[p.target] for p in wrapped)
     RUNNER.unapply()
     ENTRY.unapply()
     assert all(p.current() is originals[p.target] for p in wrapped)
-    assert not any(is_patched(p) for p in ALL)
-    for p in ALL:  # still the same targets afterwards
+    assert not any(is_patched(p) for p in active)
+    for p in active:  # still the same targets afterwards
         p.verify()
 
 
@@ -293,7 +301,8 @@ def test_unknown_version_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplo
 
 
 def test_changed_entry_target_warns_once_and_leaves_vllm_unpatched(monkeypatch, caplog):
-    monkeypatch.setattr(ENTRY.patches[1], "how", Wrap(params=["self", "local_rank"]))
+    [init_device] = [p for p in ENTRY.active() if p.target.endswith(".init_device")]
+    monkeypatch.setattr(init_device, "how", Wrap(params=["self", "local_rank"]))
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         plugin.register()
         plugin.register()
@@ -312,25 +321,51 @@ class FakeGraphs:
         return next((b for b in self.buckets if b >= n), None)
 
 
-def test_v2_dispatch_pads_eager_batches_to_a_bucket_and_keeps_full_decode():
+def _v2_dispatch_descriptors():
+    from bcg_plugin.patches.vllm import v2_cudagraph_manager_dispatch as mod
+
+    return mod.PATCHES
+
+
+@pytest.mark.parametrize("patch", _v2_dispatch_descriptors(), ids=lambda p: p.hosts)
+def test_v2_dispatch_pads_eager_batches_to_a_bucket_and_keeps_full_decode(patch):
+    """Every range's wrapper, called as vLLM's callers call it (trailing arguments by keyword)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
 
-    from bcg_plugin.patches.vllm import v2_cudagraph_manager_dispatch as mod
+    extra = patch.how.params[5:]  # max_query_len (0.28), num_ubatches (0.30)
+    passed = []
 
-    def original(self, num_reqs, num_tokens, uniform, loras):
+    def original(self, num_reqs, num_tokens, uniform, loras, *rest):
+        passed.append(rest)
         if uniform == 1 and num_tokens <= 8:
             return Desc(CUDAGraphMode.FULL, 8, 8, 1)
         return Desc(CUDAGraphMode.NONE, num_tokens, num_reqs)
 
-    dispatch = mod.make(original)
+    def call(target, num_reqs, num_tokens, uniform, **kw):
+        return dispatch(target, num_reqs, num_tokens, uniform, num_active_loras=0, **kw)
+
+    dispatch = patch.make(original)
     manager = types.SimpleNamespace(_bcg_graphs=FakeGraphs())
-    assert dispatch(manager, 5, 5, 1, 0).cg_mode == CUDAGraphMode.FULL
-    desc = dispatch(manager, 3, 37, None, 0)
+    assert call(manager, 5, 5, 1).cg_mode == CUDAGraphMode.FULL
+    desc = call(manager, 3, 37, None)
     assert (desc.cg_mode, desc.num_tokens, desc.num_reqs) == (CUDAGraphMode.PIECEWISE, 48, None)
-    assert dispatch(manager, 3, 48, None, 0).num_tokens == 48  # DP re-dispatch at the synced size
-    assert dispatch(manager, 3, 65, None, 0).cg_mode == CUDAGraphMode.NONE  # above the top bucket
-    assert dispatch(types.SimpleNamespace(), 3, 37, None, 0).cg_mode == CUDAGraphMode.NONE  # bcg off
+    assert call(manager, 3, 48, None).num_tokens == 48  # DP re-dispatch at the synced size
+    assert call(manager, 3, 65, None).cg_mode == CUDAGraphMode.NONE  # above the top bucket
+    assert call(types.SimpleNamespace(), 3, 37, None).cg_mode == CUDAGraphMode.NONE  # bcg off
+    if extra:
+        passed.clear()
+        kw = {"max_query_len": 7, **({"num_ubatches": 1} if "num_ubatches" in extra else {})}
+        assert call(manager, 3, 37, None, **kw).num_tokens == 48
+        assert passed == [tuple(kw.values())]  # handed to vLLM's own dispatch unchanged
+    if "num_ubatches" in extra and "num_ubatches" in Desc.__dataclass_fields__:
+        def split(self, num_reqs, num_tokens, uniform, loras, max_query_len=None, num_ubatches=1):
+            return Desc(CUDAGraphMode.NONE, num_tokens, num_reqs, num_ubatches=num_ubatches)
+
+        dispatch = patch.make(split)
+        desc = call(manager, 3, 37, None, num_ubatches=2)  # microbatched: vLLM's answer stands
+        assert (desc.cg_mode, desc.num_tokens, desc.num_ubatches) == (CUDAGraphMode.NONE, 37, 2)
+        assert call(manager, 3, 37, None, num_ubatches=1).cg_mode == CUDAGraphMode.PIECEWISE
 
 
 def test_v1_dispatch_answers_the_dp_redispatch_without_tripping_vllms_assert():
@@ -526,22 +561,35 @@ def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding()
     assert graphs._host_batch(context, inputs, 48, dummy=True) is None  # no graph at that size
 
 
+@pytest.mark.parametrize("takes_stream", [True, False])
 @pytest.mark.parametrize("default_stream", ["shared", None])
-def test_capture_enters_vllms_graph_capture_on_the_stream_torch_captures_on(monkeypatch, default_stream):
+def test_capture_enters_vllms_graph_capture_on_the_stream_torch_captures_on(monkeypatch, default_stream,
+                                                                            takes_stream):
+    """Through vLLM 0.30 ``graph_capture`` takes the stream (bcg's: torch's default one); from 0.31 it
+    makes one of its own, which bcg captures on. Both shapes, whatever vLLM is installed."""
     import contextlib
     import inspect
+
+    from packaging.version import Version
 
     import vllm.distributed.parallel_state as ps
 
     from bcg_plugin.adapters.vllm import host as host_module
 
-    assert {"device", "graph_capture_context"} <= set(inspect.signature(ps.graph_capture).parameters)
+    installed_takes = "graph_capture_context" in inspect.signature(ps.graph_capture).parameters
+    assert installed_takes == (Version(version.installed()) < Version("0.31"))
     entered = []
 
-    @contextlib.contextmanager
-    def graph_capture(device, graph_capture_context=None):
-        entered.append(graph_capture_context)
-        yield graph_capture_context or ps.GraphCaptureContext("fresh")
+    if takes_stream:
+        @contextlib.contextmanager
+        def graph_capture(device, graph_capture_context=None):
+            entered.append(graph_capture_context)
+            yield graph_capture_context or ps.GraphCaptureContext("fresh")
+    else:
+        @contextlib.contextmanager
+        def graph_capture(device):
+            entered.append("its own")
+            yield ps.GraphCaptureContext("fresh")
 
     monkeypatch.setattr(ps, "graph_capture", graph_capture)
     monkeypatch.setattr(host_module, "default_capture_stream", lambda device: default_stream)
@@ -550,7 +598,9 @@ def test_capture_enters_vllms_graph_capture_on_the_stream_torch_captures_on(monk
     with host.capturing():
         seen = host.bcg_capture_stream()
     assert host.stream is None  # named for the capture only
-    if default_stream is None:  # torch's is on another device: vLLM opens a stream of its own
+    if not takes_stream:
+        assert entered == ["its own"] and seen == "fresh"
+    elif default_stream is None:  # torch's is on another device: vLLM opens a stream of its own
         assert entered == [None] and seen == "fresh"
     else:
         assert [c.stream for c in entered] == ["shared"] and seen == "shared"
@@ -584,7 +634,8 @@ def test_attention_kernel_reads_the_current_context_and_scrubs_padded_rows():
     q = torch.zeros(8, 2, 4)
     out = torch.zeros(8, 2, 4)
 
-    RUNNER.patches[-1].apply(plugin.calls())
+    [kernel] = [p for p in RUNNER.active() if p.target.endswith(".unified_attention_with_output")]
+    kernel.apply(plugin.calls())
     try:
         with fc.override_forward_context(vllm_ctx):
             op(q, q, q, out, "layer.0")  # no bcg batch bound: all rows written
@@ -595,7 +646,7 @@ def test_attention_kernel_reads_the_current_context_and_scrubs_padded_rows():
             assert impl.seen[-1] == "vllm's"  # the payload does not redirect attention; the context does
             assert out[:5].eq(1).all() and out[5:].eq(0).all()  # padded rows scrubbed
     finally:
-        RUNNER.patches[-1].unapply()
+        kernel.unapply()
     out.zero_()
     with fc.override_forward_context(vllm_ctx), live.bound(LiveBatch(5, 8, other_ctx)):
         op(q, q, q, out, "layer.0")
@@ -821,12 +872,20 @@ def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied
     vllm_logger = logging.getLogger("vllm")
     keep = Keep()
     vllm_logger.addHandler(keep)
+    # vLLM's logging not configured yet (from 0.33 an engine configures it when it starts, which may
+    # come after the route is made): a level above INFO, as the root's WARNING of an unconfigured process.
+    levels = {name: logging.getLogger(name).level for name in ("vllm", "vllm.bcg")}
+    vllm_logger.setLevel(logging.WARNING)
+    logging.getLogger("vllm.bcg").setLevel(logging.NOTSET)
     try:
         logging.getLogger("bcg_plugin").info("bcg: captured before")
         assert seen == []  # negative control: not routed yet
         monkeypatch.setattr(plugin.STATE, "runner_patches", None)
         monkeypatch.setattr("bcg_plugin.patches.vllm.RUNNER.apply", lambda calls=None: None)
         plugin.apply_runner_patches()
+        logging.getLogger("bcg_plugin").info("bcg: below vLLM's level")
+        assert seen == []  # vLLM's level holds for routed records
+        vllm_logger.setLevel(logging.INFO)  # vLLM configures its logging after the route was made
         logging.getLogger("bcg_plugin").info("bcg: captured %d buckets", 56)
         assert seen == ["bcg: captured 56 buckets"]
         log.route_core_logs()
@@ -834,3 +893,100 @@ def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied
         assert seen[1:] == ["bcg: again"]  # once, however often it is routed
     finally:
         vllm_logger.removeHandler(keep)
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+# -- doctor: which runtime serves prefill ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("environ, ready, expected, absent", [
+    ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, True, "prefill runtime: vLLM's breakable graphs", "bcg where"),
+    ({}, True, "prefill runtime: bcg where", "bcg cannot run"),
+    ({"VLLM_USE_BREAKABLE_CUDAGRAPH": "0"}, True, "prefill runtime: bcg where", "own breakable"),
+    ({}, False, "bcg cannot run on this vLLM", "bcg where"),
+])
+def test_doctor_says_which_runtime_serves_prefill(environ, ready, expected, absent):
+    from bcg_plugin.adapters.vllm.doctor import prefill_runtime
+
+    line = prefill_runtime(environ, bcg_ready=ready, listed=["B", "A"])
+    assert line.startswith("prefill runtime: ") and expected in line and absent not in line
+    if environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH") != "1":
+        assert "piecewise graphs" in line and "FULL graphs" in line and "eager" in line
+    if "VLLM_USE_BREAKABLE_CUDAGRAPH" not in environ:
+        assert "vLLM's own breakable graphs for the 2 architectures it lists (A, B, ...)" in line
+
+
+def test_doctor_checks_this_releases_descriptors_and_names_the_prefill_runtime(monkeypatch):
+    import io
+
+    from bcg_plugin import doctor
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    out = io.StringIO()
+    doctor.run(None, ["vllm"], out=out)
+    text = out.getvalue()
+    assert f"vllm {version.installed()}: compatible" in text and "FAIL" not in text
+    assert sum(line.startswith("  ok   ") for line in text.splitlines()) == len({p.target for p in ALL})
+    assert "note: prefill runtime: vLLM's breakable graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1 is set" in text
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    out = io.StringIO()
+    doctor.run(None, ["vllm"], out=out)
+    assert "note: prefill runtime: bcg where" in out.getvalue()
+
+
+# -- V2 capture inside vLLM's graph-memory profiling (0.29+) ---------------------------------------
+
+
+def test_v2_graphs_captured_while_vllm_profiles_are_measured_then_closed_before_the_real_capture(monkeypatch):
+    from bcg_plugin.adapters.vllm import replay
+
+    built = []
+
+    class Graphs:
+        def __init__(self, reports):
+            self.reports, self.captured, self.closed = reports, False, False
+
+        def capture(self):
+            self.captured = True
+
+        def close(self):
+            self.closed = True
+
+    def build(host_factory, vllm_config, *, model, attn_groups, kv_cache_config, reports=True):
+        built.append(Graphs(reports))
+        return built[-1]
+
+    monkeypatch.setattr(plugin, "runs_bcg", lambda cfg: True)
+    monkeypatch.setattr(replay.VllmPrefillGraphs, "build", build)
+    args = ("model", "state", "buffers", "tables", "groups", "kv")
+    profiling = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=[])
+    real = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=None)
+
+    throwaway = plugin.capture_v2(profiling, *args)
+    assert throwaway.captured and not throwaway.reports  # measured by vLLM, silent
+    assert not throwaway.closed
+    kept = plugin.capture_v2(real, *args)
+    assert throwaway.closed and kept.captured and kept.reports and not kept.closed
+    assert plugin.capture_v2(real, *args, pcp_manager=object()) is None  # prefill context parallelism
+    assert not kept.closed  # only graphs captured while profiling are closed
+
+
+def test_only_graphs_that_serve_an_engine_answer_the_stats_rpc(vllm_model_config, monkeypatch):
+    """Graphs built to measure memory (V1's estimate, V2's capture inside vLLM's profiling) report
+    nothing: one runner per worker answers ``bcg_stats``."""
+    from bcg_plugin.adapters.vllm import replay as graphs
+
+    class _Runner:
+        def __init__(self, pm, cfg, *, chunk_size, device):
+            self.stats = types.SimpleNamespace()
+
+    monkeypatch.setattr(graphs, "PrefillGraphRunner", _Runner)
+    monkeypatch.setattr(graphs, "stats_reporter", lambda *a, **k: None)
+    monkeypatch.setattr(graphs, "_first_tp_rank", lambda: True)
+    monkeypatch.setattr(graphs, "INSTANCES", __import__("weakref").WeakSet())
+    host = types.SimpleNamespace(plugins=lambda: [], device=torch.device("cpu"))
+    config = make_config(vllm_model_config, additional_config={"bcg": {"enable": True}})
+    serving = graphs.VllmPrefillGraphs(host, config)
+    measuring = graphs.VllmPrefillGraphs(host, config, reports=False)
+    assert serving in graphs.INSTANCES and measuring not in graphs.INSTANCES

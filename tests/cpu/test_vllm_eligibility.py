@@ -9,6 +9,7 @@ final ``cudagraph_mode`` is the one an engine would run with.
 from __future__ import annotations
 
 import contextlib
+import os
 import dataclasses
 import logging
 import types
@@ -85,6 +86,19 @@ def _graph_mode(name):
     return {"compilation_config": CompilationConfig(cudagraph_mode=name)}
 
 
+def _has_sequence_parallel_pass() -> bool:
+    from vllm.config.compilation import PassConfig
+
+    return "enable_sp" in getattr(PassConfig, "__dataclass_fields__", {})
+
+
+# vLLM's sequence-parallelism compile pass (PassConfig.enable_sp) is gone from 0.32.
+HAS_SP_PASS = _has_sequence_parallel_pass()
+needs_sp_pass = pytest.mark.skipif(not HAS_SP_PASS,
+                                   reason="this vLLM has no sequence-parallelism pass (PassConfig.enable_sp, "
+                                          "removed in 0.32); test_without_a_sequence_parallel_pass_* covers it")
+
+
 def _sequence_parallel():
     from vllm.config import CompilationConfig, ParallelConfig
 
@@ -119,6 +133,7 @@ def test_a_declined_engine_keeps_vllms_modes_and_says_so_once(vllm_model_config,
     assert not RUNNER.applied
 
 
+@needs_sp_pass
 def test_sequence_parallelism_with_torch_compile_declines_and_without_it_runs(vllm_model_config, caplog):
     plain = engine_config(vllm_model_config, **_sequence_parallel())
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
@@ -134,7 +149,7 @@ def test_sequence_parallelism_with_torch_compile_declines_and_without_it_runs(vl
 
 def test_a_runner_patch_that_fails_verification_declines_before_any_flag_changes(vllm_model_config, caplog,
                                                                                  monkeypatch):
-    first = RUNNER.patches[0]
+    first = RUNNER.active()[0]
     monkeypatch.setattr(first, "how", dataclasses.replace(first.how, params=["self", "no_such_parameter"]))
     plugin.unregister()
     plugin.register()  # the entry patches still verify: config hooks in, the runner set does not
@@ -237,7 +252,7 @@ def test_a_failed_capture_with_eager_fallback_warns_once_with_what_the_engine_ru
 
 def test_runner_patches_that_fail_in_a_worker_warn_with_what_the_engine_runs(vllm_model_config, caplog, monkeypatch):
     cfg = engine_config(vllm_model_config, {"enable": True})
-    first = RUNNER.patches[0]
+    first = RUNNER.active()[0]
     monkeypatch.setattr(first, "how", dataclasses.replace(first.how, params=["self", "no_such_parameter"]))
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         assert plugin.arm_runner_patches(cfg) is False
@@ -282,6 +297,7 @@ def test_buckets_are_multiples_of_the_tp_size_under_sequence_parallelism(tp, siz
         assert plain.buckets == (list(sizes) if sizes else reference_ladder(chunk))
 
 
+@needs_sp_pass
 def test_sequence_parallelism_is_read_where_vllm_enables_it(vllm_model_config):
     cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False}, **_sequence_parallel())
     assert cfg.compilation_config.pass_config.enable_sp and cfg.parallel_config.tensor_parallel_size == 2
@@ -315,3 +331,80 @@ def test_replay_checks_every_kv_cache_groups_slot_mapping_buffer():
     moved = torch.zeros(64, dtype=torch.int64)  # the sliding-window group's buffer, re-allocated
     for changed in ({**layers, "window.1": moved, "window.3": moved}, {**layers, "full.0": moved, "full.2": moved}):
         assert graphs._host_batch(step(changed), inputs, 64) is None  # eager: a captured write would miss
+
+
+@pytest.mark.skipif(HAS_SP_PASS, reason="this vLLM has the sequence-parallelism pass")
+def test_without_a_sequence_parallel_pass_no_step_is_padded_to_the_tp_size(vllm_model_config):
+    from pydantic import ValidationError
+    from vllm.config import CompilationConfig, ParallelConfig
+
+    with pytest.raises(ValidationError, match="enable_sp"):  # the pass bcg reads is gone from this vLLM
+        CompilationConfig(pass_config={"enable_sp": True})
+    cfg = engine_config(vllm_model_config, {"enable": True}, parallel_config=ParallelConfig(tensor_parallel_size=2))
+    assert sequence_parallel_multiple(cfg) == 1 and prefill_graphs_wanted(cfg)
+    assert _host(cfg).bcg_prefill_buckets(config=BcgConfig(enable=True, max_tokens=101, sizes=(15, 33))) is None
+
+
+# -- vLLM's own breakable graphs: switched on by vLLM itself for listed architectures ---------------
+
+# In vLLM's own list on every release bcg covers (inline through 0.28, the allow-list from 0.29).
+LISTED_ARCHITECTURE = "DeepseekV4ForCausalLM"
+BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+
+
+@pytest.fixture
+def listed_model_config(vllm_model_config):
+    """The test model's config under an architecture vLLM turns its breakable graphs on for."""
+    import copy
+
+    listed = copy.copy(vllm_model_config)
+    listed.model_arch_config = copy.copy(vllm_model_config.model_arch_config)
+    listed.model_arch_config.architectures = [LISTED_ARCHITECTURE]
+    return listed
+
+
+def test_bcg_replaces_the_breakable_graphs_vllm_turns_on_by_itself(listed_model_config, monkeypatch, caplog):
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    plugin.register()
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+    plain = engine_config(listed_model_config)
+    # Negative control: without bcg, vLLM switches its breakable graphs on for this architecture
+    # (and with them torch.compile off).
+    assert os.environ.get(BREAKABLE_ENV) == "1" and is_breakable_cudagraph_enabled()
+    assert modes(plain)["mode"] == "NONE"
+    monkeypatch.delenv(BREAKABLE_ENV)
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = engine_config(listed_model_config, {"enable": True})
+    assert os.environ.get(BREAKABLE_ENV) == "0" and not is_breakable_cudagraph_enabled()  # vLLM's path off
+    assert prefill_graphs_wanted(cfg) and modes(cfg)["mode"] == "VLLM_COMPILE"  # bcg's path armed
+    assert not bcg_warnings(caplog)
+    if launch.vllm_breakable_default(cfg) is not None:  # vLLM's allow-list (0.29+) says what bcg replaced
+        assert cfg.additional_config["bcg_launch"]["breakable"] == ["on", "off"]
+        assert any(f"{BREAKABLE_ENV}=0" in r.getMessage() for r in caplog.records)
+
+
+def test_breakable_graphs_the_user_asked_for_keep_bcg_off(listed_model_config, vllm_model_config, monkeypatch,
+                                                          caplog):
+    plugin.register()
+    for model_config in (listed_model_config, vllm_model_config):
+        monkeypatch.setenv(BREAKABLE_ENV, "1")
+        plain = engine_config(model_config)
+        launch._logged.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+            cfg = engine_config(model_config, {"enable": True})
+        assert os.environ[BREAKABLE_ENV] == "1" and modes(cfg) == modes(plain)
+        [warning] = bcg_warnings(caplog)
+        assert f"{BREAKABLE_ENV}=1" in warning and not prefill_graphs_wanted(cfg)
+
+
+def test_an_architecture_vllm_does_not_list_leaves_the_switch_as_vllm_would(vllm_model_config, monkeypatch):
+    plugin.register()
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+    engine_config(vllm_model_config)
+    assert BREAKABLE_ENV not in os.environ  # dense Qwen3: vLLM leaves its breakable graphs off
+    cfg = engine_config(vllm_model_config, {"enable": True})
+    assert os.environ.get(BREAKABLE_ENV) == "0" and prefill_graphs_wanted(cfg)
+    assert launch.vllm_breakable_default(cfg) in (False, None)
+    assert "breakable" not in cfg.additional_config.get("bcg_launch", {})

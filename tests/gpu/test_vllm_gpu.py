@@ -1,4 +1,4 @@
-"""bcg inside vLLM 0.26 on a GPU: outputs with prefill graphs against the same engine run eagerly.
+"""bcg inside vLLM (0.26 .. 0.33) on a GPU: outputs with prefill graphs against the same engine run eagerly.
 
 Run on the GPU host: ``python -m pytest tests/gpu/test_vllm_gpu.py -m gpu -s``. Each engine runs in
 its own process (this file re-invoked as a script), in-process inside that process
@@ -34,6 +34,11 @@ Dummy weights are uniform in +-1e-3, which makes every logit almost equal and to
 the script rescales them in place after start-up (norms 1, matrices to 1/sqrt(fan_in), embeddings
 to 0.05) so logits spread over a few nats. The captured graphs read weights by address, so they
 see the rescaled values.
+
+Model runners: the engines without ``_v1`` run vLLM's default runner (V2 for every model from 0.29),
+the ``_v1`` ones set ``VLLM_USE_V2_MODEL_RUNNER=0`` (V1, still selectable on every release bcg covers);
+each engine records which runner its workers built, and the test checks it. No engine sets
+``VLLM_USE_BREAKABLE_CUDAGRAPH``: the dense test model is not on vLLM's own breakable-graph list.
 
 Check (``outputs_match``): for every prompt and every position up to the first differing greedy
 token, the two top-5 sets share at least 3 tokens and their logprobs differ by at most
@@ -72,7 +77,9 @@ TP = int(os.environ.get("BCG_TEST_TP", "1"))
 DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
-ENGINE_TIMEOUT_S = 480 if "a3b" in MODEL else 240  # MoE start-up compiles its expert kernels
+# MoE start-up compiles its expert kernels; from vLLM 0.29 the V2 runner also captures once more while
+# it profiles graph memory (bcg's buckets included).
+ENGINE_TIMEOUT_S = 480 if "a3b" in MODEL else 360
 BARRIER_ENV = "BCG_TEST_DP_BARRIER"  # the directory of the DP ranks' barrier files
 
 ENGINES = {
@@ -158,9 +165,27 @@ def run_engine(name: str, out: Path) -> None:
             results[str(i)] = {"tokens": list(c.token_ids),
                                "top": [{str(t): lp.logprob for t, lp in pos.items()} for pos in c.logprobs]}
     stats = [s for worker in llm.collective_rpc("bcg_stats") for s in worker]  # one per TP rank with bcg
-    out.write_text(json.dumps({"results": results, "bcg": stats}))
+    runners = sorted(set(llm.collective_rpc(runner_kind)))
+    out.write_text(json.dumps({"results": results, "bcg": stats, "runners": runners}))
     if DP > 1:  # an engine shut down while a peer still steps would leave the peer in a collective
         FileBarrier(os.environ[BARRIER_ENV], rank, DP).wait()
+
+
+def runner_kind(worker) -> str:
+    """Which model runner a worker built: ``v2`` (``vllm/v1/worker/gpu/model_runner.py``) or ``v1``."""
+    module = type(worker.model_runner).__module__
+    return "v2" if module.startswith("vllm.v1.worker.gpu.") else "v1"
+
+
+def expected_runner(name: str) -> str | None:
+    """The runner engine ``name`` must have run, where the installed vLLM settles it."""
+    if ENGINES[name].get("env", {}).get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        return "v1"
+    from packaging.version import Version
+
+    from bcg_plugin.versions import installed_version
+
+    return "v2" if Version(installed_version("vllm")) >= Version("0.29") else None  # the default for all models
 
 
 # -- comparison ------------------------------------------------------------------------------------
@@ -308,6 +333,10 @@ def test_bcg_matches_eager(engines, bcg_name, ref_name):
     ref = _ok(engines(ref_name), ref_name)
     run = _ok(engines(bcg_name), bcg_name)
     assert ref["bcg"] == []  # the reference really ran without bcg
+    for name, data in ((bcg_name, run), (ref_name, ref)):
+        if expected_runner(name) is not None:
+            assert data["runners"] == [expected_runner(name)], (name, data["runners"])
+    assert run["runners"] == ref["runners"]  # compared on the same runner
     _assert_bcg_ran(run)
     bad = mismatches(run["results"], ref["results"])
     print(f"[bcg gpu] {bcg_name} vs {ref_name}: {run['bcg'][0]['replays']} replays, {len(bad)}/{NUM_PROMPTS} "

@@ -10,6 +10,7 @@ is called directly, skipping the torch-op dispatcher and SGLang's process-global
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from bcg_plugin import BcgStateError, eager_break, live
 
 # Per-token keyword arguments RadixAttention may pass through; narrowed to the real rows.
 _PER_TOKEN_KWARGS = ("q_rope", "k_rope", "topk_indices")
+# Per-row or callable attention arguments bcg's break does not narrow (SGLang 0.5.23 passes them to
+# its eager attention method; earlier releases sent them to a separate op, refused the same way).
+_UNNARROWED_KWARGS = ("score_mod", "aux_tensors", "rel_bias", "q_descale", "k_descale", "v_descale", "idx_q", "idx_k",
+                      "idx_v", "mxfp8_norm_rope_positions", "mxfp8_norm_rope_temp_scale")
 
 
 @dataclasses.dataclass
@@ -75,9 +80,11 @@ def bcg_attention(
     # Backends that write in place (triton, fa3) take the output slot from the batch. The KV store
     # writes one cache slot per key row (SGLang's store_cache requires as many indices as rows), so
     # the slots are narrowed with the keys; the batch keeps its own tensor for the logits tail.
-    out_cache_loc = fb.out_cache_loc
+    out_cache_loc, positions = fb.out_cache_loc, getattr(fb, "positions", None)
     fb._attn_output = output[:n]
     fb.out_cache_loc = out_cache_loc[:n]
+    if positions is not None and _narrows_positions():
+        fb.positions = positions[:n]
     try:
         ret = fwd.attn_backend.forward(
             query[:n],
@@ -91,6 +98,8 @@ def bcg_attention(
     finally:
         fb._attn_output = None
         fb.out_cache_loc = out_cache_loc
+        if positions is not None:
+            fb.positions = positions
     if ret.data_ptr() != output.data_ptr():
         output[:n].view(ret.shape).copy_(ret)
     if n < batch.num_tokens:  # DP padding rows inside the landed rows (the core scrubs the rest)
@@ -111,6 +120,41 @@ def captured_then_break(query: torch.Tensor, key: torch.Tensor | None, value: to
     return bcg_attention(query, key, value, output, *args, **kwargs)
 
 
+def layer_attention_break(layer: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                          output: torch.Tensor, save_kv_cache: bool = True, key_value_num_tokens: int | None = None,
+                          idx_output: torch.Tensor | None = None, lse_output: torch.Tensor | None = None,
+                          **kwargs: Any) -> None:
+    """What ``RadixAttention._eager_attention`` (SGLang 0.5.23 on) becomes under bcg's capture.
+
+    The method carries every attention variant; the plain one is bcg's break, the rest are
+    refused here, before anything runs, so the capture fails and every rank prefills eagerly.
+    """
+    if idx_output is not None:
+        refuse("sparse-indexer attention")
+    if lse_output is not None or kwargs.pop("return_lse", False):
+        refuse("attention returning log-sum-exp (chunked-prefix MHA)")
+    extra = sorted(name for name in _UNNARROWED_KWARGS if kwargs.get(name) is not None)
+    if extra:
+        refuse(f"attention with {'/'.join(extra)} kwargs")
+    kwargs = {name: value for name, value in kwargs.items() if name not in _UNNARROWED_KWARGS}
+    captured_then_break(q, k, v, output, save_kv_cache, layer.layer_id, key_value_num_tokens=key_value_num_tokens,
+                        **kwargs)
+
+
+@functools.cache
+def _narrows_positions() -> bool:
+    """Whether SGLang's own eager attention hands the backend the positions of the real rows only
+    (0.5.23 on, ``attention_input_scope``); bcg's break then does the same, and before, as SGLang, not."""
+    try:
+        from sglang.srt.layers.attention.graph_utils import attention_input_scope  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _real_rows(fb: Any, landed: int) -> int:
-    real = getattr(fb, "num_token_non_padded_cpu", None)
+    # SGLang 0.5.20 renamed the count (the real tokens before attention-TP sharding) to say it is global.
+    real = getattr(fb, "global_num_token_non_padded_cpu", None)
+    if real is None:
+        real = getattr(fb, "num_token_non_padded_cpu", None)
     return landed if real is None else min(int(real), landed)

@@ -21,13 +21,17 @@ def runner_reason(model_runner: Any) -> str | None:
 
     server_args = model_runner.server_args
     if not check_cuda_graph_backend(Phase.PREFILL, Backend.BREAKABLE):
-        backend = server_args.cuda_graph_config.prefill.backend
+        from bcg_plugin.adapters.sglang.replay import prefill_graph_config
+
+        backend = prefill_graph_config(model_runner).backend
         return f"SGLang resolved the prefill graph backend to {backend!r}; bcg replaces 'breakable' only"
     if model_runner.is_draft_worker:
         return "speculative draft worker"
     if not model_runner.spec_algorithm.is_none():
         return "speculative decoding (target hidden-state capture)"
-    if server_args.enable_lora:
+    from bcg_plugin.adapters.sglang.replay import published
+
+    if published("lora", "enable_lora", server_args):  # resolved (the record keeps the input from 0.5.20)
         return "LoRA adapters"
     if model_runner.pp_group.world_size > 1:
         return "pipeline parallelism"

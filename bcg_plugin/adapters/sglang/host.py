@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Any
 
 import torch
@@ -92,33 +94,60 @@ class SglangHost:
             dp_padding_mode=DpPaddingMode.get_default_mode_in_cuda_graph(),
             spec_algorithm=None,
             capture_hidden_mode=CaptureHiddenMode.NULL,
-            num_token_non_padded_cpu=num_tokens,
             global_forward_mode=ForwardMode.EXTEND,
+            **{_non_padded_field(ForwardBatch): num_tokens},
             **dp,
         )
         # Planned eagerly, once per bucket; every replay plans its own live batch instead.
-        mr.attn_backend.init_forward_metadata(fb)
+        with batch_forward_context(mr, fb):
+            mr.attn_backend.init_forward_metadata(fb)
         inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb))
 
     @hookimpl
     def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: ForwardPass) -> torch.Tensor:
         from sglang.srt.layers.dp_attention import set_dp_buffer_len, set_is_extend_in_batch
-        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-        from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import (
-            set_tc_piecewise_forward_context,
-        )
 
-        mr, fb = self.model_runner, payload.forward_batch
+        fb = payload.forward_batch
         rows = inputs["input_ids"].shape[0]
         # Model Python reading per-token fields inside the body must see the static buffers.
         fb.input_ids, fb.positions, fb.out_cache_loc = inputs["input_ids"], inputs["positions"], inputs["out_cache_loc"]
         fb.dp_local_start_pos = fb.dp_local_num_tokens = None
         set_dp_buffer_len(fb.global_dp_buffer_len, rows, fb.dp_padding_mode.is_max_len(), fb.global_num_tokens_cpu)
         set_is_extend_in_batch(False)
-        # The tc-piecewise context is what makes RadixAttention take its breakable op (which
-        # bcg's patch routes to its own break); bcg's break itself never reads it.
-        with forward_context(ForwardContext(attn_backend=mr.attn_backend)), set_tc_piecewise_forward_context(
+        with contextlib.ExitStack() as scope, torch.no_grad():
+            for context in self._body_contexts(fb, rows):
+                scope.enter_context(context)
+            hidden = self.layer_model.forward(inputs["input_ids"], inputs["positions"], fb)
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(
+                f"{type(self.layer_model).__name__}.forward returned {type(hidden).__name__}, not hidden "
+                "states (aux hidden states / pipeline proxies are not captured by bcg)"
+            )
+        return hidden
+
+    def _body_contexts(self, fb: Any, rows: int) -> list[Any]:
+        """The SGLang scopes the captured body runs in, as SGLang's own prefill runner enters them.
+
+        The tc-piecewise context (through 0.5.22) or the prefill graph scope (0.5.23 on) is what
+        makes RadixAttention take its graph break, which bcg's patch routes to its own break; bcg's
+        break itself reads none of them.
+        """
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+        from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph import (
+            set_tc_piecewise_forward_context,
+        )
+
+        mr = self.model_runner
+        contexts: list[Any] = []
+        scoped = _prefill_graph_scopes()
+        if scoped is not None:
+            set_forward_batch, prefill_graph_scope = scoped
+            contexts += [set_forward_batch(fb), prefill_graph_scope(full_graph=False)]
+        ctx = ForwardContext(attn_backend=mr.attn_backend)
+        takes_batch = "forward_batch" in inspect.signature(forward_context).parameters
+        contexts.append(forward_context(ctx, forward_batch=fb) if takes_batch else forward_context(ctx))
+        contexts.append(set_tc_piecewise_forward_context(
             fb,
             mr.attention_layers,
             getattr(mr.model, "quant_config", None),
@@ -128,14 +157,8 @@ class SglangHost:
             mha_companion_layers=mr.mha_companion_layers,
             num_tokens=rows,
             raw_num_tokens=rows,
-        ), torch.no_grad():
-            hidden = self.layer_model.forward(inputs["input_ids"], inputs["positions"], fb)
-        if not isinstance(hidden, torch.Tensor):
-            raise TypeError(
-                f"{type(self.layer_model).__name__}.forward returned {type(hidden).__name__}, not hidden "
-                "states (aux hidden states / pipeline proxies are not captured by bcg)"
-            )
-        return hidden
+        ))
+        return contexts
 
     @hookimpl
     def bcg_logits_tail(self, hidden: torch.Tensor, batch: HostBatch) -> Any:
@@ -150,7 +173,7 @@ class SglangHost:
         shadowed = layer_model.__dict__.get("forward")
         layer_model.forward = lambda *args, **kwargs: hidden
         try:
-            with torch.no_grad():
+            with batch_forward_context(self.model_runner, fb), torch.no_grad():
                 return self.model_runner.model.forward(fb.input_ids, fb.positions, fb, **fwd.forward_kwargs)
         finally:
             if shadowed is None:
@@ -160,7 +183,7 @@ class SglangHost:
 
     @hookimpl
     def bcg_world_group(self) -> Any:
-        return getattr(self.model_runner.tp_group, "cpu_group", None)
+        return getattr(tp_group(self.model_runner), "cpu_group", None)
 
     @hookimpl
     def bcg_capture_stream(self) -> torch.cuda.Stream | None:
@@ -182,13 +205,58 @@ class SglangHost:
         }
 
 
+def batch_forward_context(model_runner: Any, fb: Any) -> Any:
+    """The forward context SGLang 0.5.23 plans attention and runs a prefill tail in (it carries the
+    batch's MoE padding count; model code reads the attention backend from it); before 0.5.23 SGLang
+    does neither inside one, and neither does bcg."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    if "forward_batch" not in inspect.signature(forward_context).parameters:
+        return contextlib.nullcontext()
+    return forward_context(ForwardContext(attn_backend=model_runner.attn_backend), forward_batch=fb)
+
+
+def tp_group(model_runner: Any) -> Any:
+    """The runner's tensor-parallel group (SGLang 0.5.23 keeps it in the parallel context only)."""
+    group = getattr(model_runner, "tp_group", None)
+    if group is not None:
+        return group
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().tp_group
+
+
+def _non_padded_field(forward_batch_cls: type) -> str:
+    """The ForwardBatch field holding the real-token count (renamed with a ``global_`` prefix in 0.5.20)."""
+    fields = getattr(forward_batch_cls, "__dataclass_fields__", {})
+    return "global_num_token_non_padded_cpu" if "global_num_token_non_padded_cpu" in fields else "num_token_non_padded_cpu"
+
+
+def _prefill_graph_scopes() -> tuple[Any, Any] | None:
+    """SGLang's prefill-graph scopes (0.5.23 on): the current batch and the runner-owned graph
+    scope RadixAttention checks before it takes its eager attention; ``None`` before 0.5.23."""
+    try:
+        from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+        from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
+    except ImportError:
+        return None
+    return set_forward_batch, prefill_graph_scope
+
+
+def _gather_check(check: Any, server_args: Any) -> bool:
+    # SGLang 0.5.19 made these read the process-wide configuration instead of taking server_args.
+    positional = [p for p in inspect.signature(check).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return bool(check(server_args) if positional else check())
+
+
 def _dp_layout(model_runner: Any) -> int | None:
     """Ranks whose token counts the body gathers over, or ``None`` without DP attention."""
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils import require_attn_tp_gather, require_mlp_tp_gather
 
-    if require_mlp_tp_gather(model_runner.server_args):
+    if _gather_check(require_mlp_tp_gather, model_runner.server_args):
         return get_parallel().dp_size
-    if require_attn_tp_gather(model_runner.server_args):
+    if _gather_check(require_attn_tp_gather, model_runner.server_args):
         return 1
     return None

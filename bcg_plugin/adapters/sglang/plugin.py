@@ -63,8 +63,10 @@ def calls() -> dict[str, Any]:
         "flag_value": config.FLAG_VALUE,
         "translate_server_args": translate_server_args,
         "prefill_runner_factory": replay.prefill_runner_factory,
+        "dp_prefill_vote": replay.dp_prefill_vote,
         "capturing": attention.capturing,
         "attention_break": attention.captured_then_break,
+        "layer_attention_break": attention.layer_attention_break,
         "refuse": attention.refuse,
     }
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.sglang import config, eligibility
-from bcg_plugin.adapters.sglang.host import SglangHost
+from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, tp_group
 from bcg_plugin.adapters.sglang.metrics import stats_reporter
 from bcg_plugin.dist import first_rank
 from bcg_plugin.errors import BcgCaptureError
@@ -29,8 +29,10 @@ class BcgPrefillRunner:
     Holds the core :class:`~bcg_plugin.PrefillGraphRunner` (graphs in its own private pool, one
     capture stream, owned inputs/outputs), the SGLang host hooks, the bucket chosen by the last
     ``can_run_graph`` for the ``execute`` that follows it, and the periodic stats reporter (log line, Prometheus when SGLang's metrics are on).
-    SGLang's scheduler calls :meth:`can_replay_locally` for the DP vote; ``enable_lora`` and
-    ``enable_cp_v2_bcg_capture`` are read by SGLang and always off here.
+    SGLang's scheduler calls :meth:`can_replay_locally` for the DP vote; ``enable_lora``,
+    ``enable_cp_v2_bcg_capture`` (``enable_cp_bcg_capture`` from 0.5.23), ``max_context_size`` and
+    ``max_seq_len`` are read by SGLang and always off here (bcg's graphs bound no context length: the
+    attention runs eagerly on the live batch).
 
     The methods SGLang calls take any further keyword arguments: one a later SGLang adds names a
     condition bcg does not know, so the forward runs eagerly (counted, named in one log line)
@@ -39,20 +41,23 @@ class BcgPrefillRunner:
 
     enable_lora = False
     enable_cp_v2_bcg_capture = False
+    enable_cp_bcg_capture = False
+    max_context_size = None
+    max_seq_len = None
 
     def __init__(self, model_runner: Any, cfg: BcgConfig, host: SglangHost):
         from sglang.srt.distributed.parallel_state import graph_capture
 
         self.model_runner = model_runner
         self.host = host
-        prefill = model_runner.server_args.cuda_graph_config.prefill
+        prefill = prefill_graph_config(model_runner)
         self.core = PrefillGraphRunner(plugin_manager(host), cfg,
                                        chunk_size=step_token_limit(model_runner, log=_first_tp_rank(model_runner)))
         self.stats_reporter = stats_reporter(self.core.stats, model_runner.server_args)
         self._planned: tuple[Any, int] | None = None
         self._previous_replay: Any = None  # kept only for a fault plugin (bcg_plugin.faults)
         self._unknown_kwargs_logged = False
-        model_runner.tp_group.barrier()
+        tp_group(model_runner).barrier()
         # SGLang's capture context: its stream, and custom all-reduce buffer registration for TP.
         with graph_capture() as ctx:
             host.capture_stream = ctx.stream
@@ -78,12 +83,20 @@ class BcgPrefillRunner:
         return_logprob: bool,
         lora_ineligible: bool = False,
         chunked_prefix_uncapturable: bool = False,
+        is_mixed: bool = False,
+        batch_max_context_len: int | None = None,
+        contains_mm_inputs: bool = False,
         **unknown: Any,
     ) -> bool:
-        """This rank's vote: a pure function of the batch, so every rank votes alike for alike."""
+        """This rank's vote: a pure function of the batch, so every rank votes alike for alike.
+
+        Mixed batches and any context length replay (the attention break runs on the live batch);
+        ``chunked_prefix_uncapturable`` (through 0.5.22) and ``contains_mm_inputs`` (0.5.23 on) mean eager.
+        """
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 
-        if not self.core.captured or lora_ineligible or chunked_prefix_uncapturable or is_target_verify:
+        if (not self.core.captured or lora_ineligible or chunked_prefix_uncapturable or contains_mm_inputs
+                or is_target_verify):
             return False
         if self._refuses_unknown(unknown, "can_replay_locally"):
             return False
@@ -96,6 +109,31 @@ class BcgPrefillRunner:
             return True
         bucket = choose_bucket(self.core.buckets, num_tokens)
         return bucket is not None and padding_allows(bucket, num_tokens, self.core.config.max_padding_ratio)
+
+    def schedule_vote(self, *, local_batch: Any, coordinated_prefill: bool, num_tokens: int | None = None,
+                      **_: Any) -> bool:
+        """This rank's DP-attention vote on the step it schedules (SGLang 0.5.21 on, through
+        :mod:`~bcg_plugin.patches.sglang.dp_prefill_vote`): :meth:`can_replay_locally` on its extend
+        or mixed batch; an idle rank does not hold the others back; a decoding rank votes no."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if local_batch is None or local_batch.forward_mode.is_idle():
+            return True
+        mode = local_batch.forward_mode
+        if not coordinated_prefill or mode not in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            return False
+        return self.can_replay_locally(
+            batch_size=local_batch.batch_size(),
+            num_tokens=local_batch.extend_num_tokens if num_tokens is None else num_tokens,
+            input_embeds=local_batch.input_embeds,
+            replace_embeds=local_batch.replace_embeds,
+            prefix_lens=local_batch.prefix_lens,
+            is_target_verify=mode.is_target_verify(),
+            capture_hidden_mode=None,
+            return_logprob=local_batch.return_logprob,
+            lora_ineligible=self.enable_lora,
+            is_mixed=mode == ForwardMode.MIXED,
+        )
 
     def can_run_graph(self, forward_batch: Any, **unknown: Any) -> bool:
         self._planned = None
@@ -117,7 +155,7 @@ class BcgPrefillRunner:
         if across_dp is not None and len(across_dp) > 1:
             # SGLang's schedule-time vote (all ranks' can_replay_locally, min-reduced) plus every
             # rank holding tokens: replicated values, so every rank takes the same branch.
-            agreed = bool(forward_batch.can_run_dp_breakable_cuda_graph) and all(int(n) > 0 for n in across_dp)
+            agreed = _dp_vote(forward_batch) and all(int(n) > 0 for n in across_dp)
             bucket = self.core.bucket_for(
                 len(forward_batch.input_ids),
                 num_tokens_across_dp=[int(n) for n in across_dp],
@@ -177,11 +215,13 @@ class BcgPrefillRunner:
                 earlier = previous
         planned = faults.replay_metadata("sglang", bucket, live=forward_batch, earlier=earlier)
         if planned is not forward_batch:
-            backend.init_forward_metadata(planned)
+            with batch_forward_context(self.model_runner, planned):
+                backend.init_forward_metadata(planned)
             return
         if hasattr(self.model_runner.model, "prepare_forward_batch"):
             self.model_runner.model.prepare_forward_batch(forward_batch)
-        backend.init_forward_metadata(forward_batch)
+        with batch_forward_context(self.model_runner, forward_batch):
+            backend.init_forward_metadata(forward_batch)
 
     def close(self) -> None:
         self.core.close()
@@ -191,8 +231,8 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     """bcg's top bucket (:func:`bcg_plugin.ladder.ladder_top`): SGLang's prefill graph ceiling (its
     chunked-prefill size), or what its request pool's rows (``max_running_requests``, per DP worker)
     hold at ``context_len`` tokens each, where that is less."""
-    prefill = model_runner.server_args.cuda_graph_config.prefill
-    chunk = model_runner.server_args.chunked_prefill_size
+    prefill = prefill_graph_config(model_runner)
+    chunk = published("schedule", "chunked_prefill_size", model_runner.server_args)
     if prefill.max_bs:
         ceiling = int(prefill.max_bs)
     elif chunk and chunk > 0:
@@ -210,8 +250,42 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     return ladder_top(ceiling, int(pool.size), context_len)
 
 
+def published(group: str, name: str, server_args: Any) -> Any:
+    """A resolved setting as SGLang publishes it (0.5.19 on: ``get_exec()``/``get_schedule()``; the
+    ``ServerArgs`` record then keeps the operator's input), else as ``server_args`` holds it."""
+    from sglang.srt import runtime_context
+
+    try:
+        bag = getattr(runtime_context, f"get_{group}")()
+        value = getattr(bag.graph, name) if group == "exec" else getattr(bag, name)
+    except Exception:  # not published (0.5.17/0.5.18, a unit test, early start-up)
+        value = None
+    return getattr(server_args, name) if value is None else value
+
+
+def prefill_graph_config(model_runner: Any) -> Any:
+    """The prefill phase of the CUDA-graph config SGLang's own prefill runner reads."""
+    return published("exec", "cuda_graph_config", model_runner.server_args).prefill
+
+
 def _first_tp_rank(model_runner: Any) -> bool:
-    return first_rank(lambda: model_runner.ps.tp_rank)
+    def tp_rank() -> int:
+        ps = getattr(model_runner, "ps", None)
+        if ps is not None:
+            return ps.tp_rank
+        from sglang.srt.runtime_context import get_parallel  # SGLang 0.5.23 keeps it there only
+
+        return get_parallel().tp_rank
+
+    return first_rank(tp_rank)
+
+
+def _dp_vote(forward_batch: Any) -> bool:
+    """SGLang's min-reduced DP vote on this batch (renamed from the breakable to the prefill graph in 0.5.19)."""
+    for name in ("can_run_dp_prefill_cuda_graph", "can_run_dp_breakable_cuda_graph"):
+        if hasattr(forward_batch, name):
+            return bool(getattr(forward_batch, name))
+    return False
 
 
 class _breakable_capture_flag:
@@ -261,6 +335,11 @@ def build_runner(model_runner: Any, native_cls: type, cfg: BcgConfig) -> Any:
         return native_cls(model_runner)
     host = SglangHost(model_runner, layer_model)
     return BcgPrefillRunner(model_runner, cfg, host)
+
+
+def dp_prefill_vote(runner: Any) -> Any:
+    """What the DP-vote patch asks: bcg's vote for ``runner`` when it is bcg's, else ``None``."""
+    return runner.schedule_vote if isinstance(runner, BcgPrefillRunner) else None
 
 
 def prefill_runner_factory(model_runner: Any) -> Any:

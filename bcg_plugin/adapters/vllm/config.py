@@ -15,6 +15,9 @@ from bcg_plugin import BcgConfig
 CONFIG_KEY = "bcg"
 SOURCE = "additional_config['bcg']"
 SUPPORTED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
+# vLLM's switch for its own breakable graphs; vLLM sets it to 1 by itself for some architectures
+# when it is unset (see :mod:`bcg_plugin.adapters.vllm.launch`).
+BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 
 
 def raw_bcg_config(vllm_config: Any) -> Any:
@@ -57,8 +60,9 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         return "no model config"
     if getattr(model, "enforce_eager", False):
         return "enforce_eager=True skips CUDA graph capture entirely"
-    if os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1":
-        return "VLLM_USE_BREAKABLE_CUDAGRAPH=1 selects vLLM's own breakable graphs"
+    if os.environ.get(BREAKABLE_ENV, "0") == "1":
+        return (f"{BREAKABLE_ENV}=1 selects vLLM's own breakable graphs for prefill (unset it: bcg then keeps "
+                "vLLM's breakable graphs off and serves prefill)")
     checks = [
         (getattr(vllm_config, "lora_config", None) is not None, "LoRA (graphs are keyed by active adapters)"),
         (getattr(vllm_config, "speculative_config", None) is not None, "speculative decoding"),

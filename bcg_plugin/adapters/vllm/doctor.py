@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from bcg_plugin.adapters.vllm.config import SOURCE, SUPPORTED_BACKENDS, VLLM_DEFAULTS, validate
+from bcg_plugin.adapters.vllm.config import BREAKABLE_ENV, SOURCE, SUPPORTED_BACKENDS, VLLM_DEFAULTS, validate
 from bcg_plugin.adapters.vllm.metrics import METRICS_ENV, METRICS_NOTE
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
@@ -20,7 +20,7 @@ from bcg_plugin.faults import FAULTS_ENV
 def diagnose() -> AdapterReport:
     from bcg_plugin.adapters.vllm import version
     from bcg_plugin.adapters.vllm.plugin import calls
-    from bcg_plugin.patches.vllm import ALL
+    from bcg_plugin.patches.vllm import ENTRY, RUNNER
 
     report = AdapterReport("vllm", version.installed(), version.supported(),
                            enable_hint="--additional-config '{\"bcg\": {\"enable\": true}}'",
@@ -38,8 +38,49 @@ def diagnose() -> AdapterReport:
                         "plain model)")
     if METRICS_ENV not in os.environ:
         report.notes.append(METRICS_NOTE)
-    report.verify_targets(ALL, calls())
+    report.verify_targets(ENTRY.active() + RUNNER.active(), calls())
+    report.notes.append(prefill_runtime(os.environ, bcg_ready=not report.problems,
+                                        listed=breakable_architectures()))
     return report
+
+
+# What serves prefill when bcg does not (vLLM's own runtimes, by its launch flags).
+VLLM_OWN = ("vLLM's piecewise graphs (torch.compile with cudagraph_mode PIECEWISE or FULL_AND_PIECEWISE, vLLM's "
+            "default), its FULL graphs (cudagraph_mode FULL), or eager (-O0 or enforce_eager, cudagraph_mode NONE)")
+
+
+def prefill_runtime(environ: Mapping[str, str], *, bcg_ready: bool, listed: Any = None) -> str:
+    """Which runtime serves prefill: bcg, vLLM's breakable graphs, vLLM's piecewise/FULL graphs, or eager.
+
+    ``bcg_ready``: this vLLM takes bcg's patches; ``listed``: the architectures vLLM turns its breakable
+    graphs on for by itself when ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is unset (``None`` where vLLM keeps
+    that list inline)."""
+    value = environ.get(BREAKABLE_ENV)
+    if value == "1":
+        return (f"prefill runtime: vLLM's breakable graphs ({BREAKABLE_ENV}=1 is set; bcg stays off while it "
+                "is: unset it to run bcg)")
+    own = VLLM_OWN
+    if value is None:
+        which = (f"the {len(listed)} architectures it lists ({', '.join(sorted(listed)[:3])}, ...)" if listed
+                 else "the architectures it lists")
+        own += f"; vLLM's own breakable graphs for {which}"
+    if not bcg_ready:
+        return f"prefill runtime: {own} (bcg cannot run on this vLLM)"
+    return (f"prefill runtime: bcg where {SOURCE} enables it and vLLM's model, parallel layout and attention "
+            f"backend are supported (vLLM's breakable graphs kept off there: {BREAKABLE_ENV}=0 at engine "
+            f"start); otherwise {own}")
+
+
+def breakable_architectures() -> list[str] | None:
+    """vLLM's allow-list of architectures it graphs breakably by itself (0.29+), or ``None``."""
+    try:
+        from vllm.config.vllm import default_breakable_cudagraph_architectures
+    except ImportError:
+        return None
+    try:
+        return sorted(default_breakable_cudagraph_architectures())
+    except Exception:  # it asks the platform: unknown where that fails
+        return None
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

@@ -12,6 +12,7 @@ small subclass implementing :meth:`VllmHost.capture_context`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,14 +67,21 @@ class VllmHost:
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """vLLM's graph-capture context, with TP custom all-reduce buffers registered at exit, on the
-        stream the V2 runner captures its decode graphs on (``torch.cuda.graph``'s default): a stream
-        of its own would pin one more cuBLAS workspace (32 MiB on Hopper) for the process's life."""
+        """vLLM's graph-capture context, with TP custom all-reduce buffers registered at exit.
+
+        Where ``graph_capture`` takes a stream (through 0.30), on the one the V2 runner captures its
+        decode graphs on (``torch.cuda.graph``'s default): a stream of its own would pin one more cuBLAS
+        workspace (32 MiB on Hopper) for the process's life. From 0.31 it always makes a stream of its
+        own, as it does for vLLM's own captures, and bcg captures on that one."""
         from vllm.distributed.parallel_state import GraphCaptureContext, graph_capture
 
-        stream = default_capture_stream(self.device)
-        with graph_capture(device=self.device,
-                           graph_capture_context=GraphCaptureContext(stream) if stream is not None else None) as ctx:
+        if accepts(graph_capture, "graph_capture_context"):
+            stream = default_capture_stream(self.device)
+            context = graph_capture(device=self.device,
+                                    graph_capture_context=GraphCaptureContext(stream) if stream is not None else None)
+        else:
+            context = graph_capture(device=self.device)
+        with context as ctx:
             self.stream = ctx.stream
             try:
                 yield
@@ -159,6 +167,12 @@ class EagerEmbedding:
         return {"inputs_embeds": self.model.embed_input_ids(batch.inputs["input_ids"][: batch.num_tokens])}
 
 
+def accepts(fn: Any, name: str) -> bool:
+    """Whether host function ``fn`` has a parameter ``name`` (the patch descriptors verify which
+    parameters each vLLM release has; this picks the call that release takes)."""
+    return name in inspect.signature(inspect.unwrap(fn)).parameters
+
+
 def takes_token_ids_only(model: torch.nn.Module, vllm_config: Any) -> bool:
     """Whether every step feeds this model token ids (no multimodal or prompt embeddings)."""
     from vllm.model_executor.models.interfaces import supports_multimodal
@@ -182,10 +196,14 @@ class V2Host(VllmHost):
     def capture_context(self, num_tokens: int) -> Any:
         from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
-        # bs=1 prefill of num_tokens; the whole slot-mapping buffer is -1, so no KV is written.
+        # bs=1 prefill of num_tokens; the whole slot-mapping buffer is -1, so no KV is written. From
+        # 0.27 the metadata kind is a required argument: piecewise (not FULL-graph capturable) metadata,
+        # as the step's own; later optional arguments keep their defaults (no query-length bound, no
+        # prefill context parallelism, which bcg declines).
+        extra = {"full_cudagraph": False} if accepts(prepare_inputs_to_capture, "full_cudagraph") else {}
         attn_metadata, slot_mappings = prepare_inputs_to_capture(
             1, num_tokens, self.model_state, self.input_buffers, self.block_tables, self.attn_groups,
-            self.kv_cache_config,
+            self.kv_cache_config, **extra,
         )
         self.input_buffers.is_padding.fill_(True)
         return _forward_context(self.vllm_config, attn_metadata, slot_mappings, num_tokens,

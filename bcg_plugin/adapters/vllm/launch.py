@@ -21,6 +21,13 @@ nothing: the engine compiles and captures exactly as it would without the plugin
   any other mode (``PIECEWISE``, ``FULL``, ``FULL_AND_PIECEWISE``), it is kept and bcg stays off,
   with one warning.
 
+vLLM's own breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH``): vLLM turns them on by itself for a
+list of architectures (and, from 0.31, for some batch-invariant setups) when the variable is unset,
+which would give prefill two runtimes. Where bcg runs and the variable is unset, bcg sets it to ``0``,
+vLLM's documented opt-out, before vLLM reads it: the variable reaches the engine core and the workers
+(spawned from this process; Ray copies it explicitly), so no worker builds vLLM's breakable runner
+and bcg serves prefill alone. Set to ``1`` by the user, bcg stays off (one warning).
+
 A worker can still decline later, on what only a built model runner shows (an attention backend vLLM
 chose itself, KV-cache groups other than attention, a capture that fails with
 ``capture_failure: "eager"``). The flags above are then in place for good: :func:`warn_declined`
@@ -29,9 +36,10 @@ says once what the engine runs instead, and that a restart without bcg gets vLLM
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from bcg_plugin.adapters.vllm.config import bcg_config, launch_problem, raw_bcg_config
+from bcg_plugin.adapters.vllm.config import BREAKABLE_ENV, bcg_config, launch_problem, raw_bcg_config
 from bcg_plugin.adapters.vllm.log import logger
 
 # Said where bcg turns torch.compile off: the compiler's fused kernels are what a GPU-bound prefill
@@ -72,6 +80,12 @@ def configure_engine(vllm_config: Any) -> None:
     cc = vllm_config.compilation_config
     changed = []
     record: dict[str, list[str]] = {}
+    if BREAKABLE_ENV not in os.environ:
+        if vllm_breakable_default(vllm_config):
+            changed.append(f"{BREAKABLE_ENV}=0 (vLLM turns its breakable graphs on for "
+                           f"{'/'.join(architectures(vllm_config)) or 'this model'}; bcg serves prefill instead)")
+            record["breakable"] = ["on", "off"]
+        os.environ[BREAKABLE_ENV] = "0"
     if not cfg.torch_compile and cc.mode != CompilationMode.NONE:
         before = _name(cc.mode) or _default_name(vllm_config, "mode")
         if before != "NONE":
@@ -109,9 +123,28 @@ def warn_declined(vllm_config: Any, reason: str) -> None:
         back.append(f"{record['cudagraph_mode'][0]} graphs")
     if record.get("mode"):
         back.append("torch.compile")
+    if record.get("breakable"):
+        back.append("breakable graphs")
     restart = (f"; restart without bcg (no additional_config['bcg']) to get vLLM's {' and '.join(back)} back"
                if back else "")
     _log_once("warning", "bcg: prefill graphs are off in this engine: %s; %s%s", reason, runs, restart)
+
+
+def vllm_breakable_default(vllm_config: Any) -> bool | None:
+    """Whether vLLM would turn its breakable graphs on by itself for this config with
+    ``VLLM_USE_BREAKABLE_CUDAGRAPH`` unset (asked of vLLM's own allow-list from 0.29), or ``None``
+    where this vLLM keeps that decision inline."""
+    ask = getattr(type(vllm_config), "_uses_breakable_cudagraph_by_default", None)
+    if ask is None or getattr(vllm_config, "model_config", None) is None:
+        return None
+    try:
+        return bool(ask(vllm_config))
+    except Exception:  # a vLLM internal that needs more of the config than this one has: unknown
+        return None
+
+
+def architectures(vllm_config: Any) -> list[str]:
+    return list(getattr(getattr(vllm_config, "model_config", None), "architectures", None) or [])
 
 
 def _name(mode: Any) -> str | None:

@@ -9,6 +9,7 @@ enables bcg reaches a worker (:func:`arm_runner_patches`).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from bcg_plugin import BcgCaptureError
@@ -159,21 +160,47 @@ def unregister() -> None:
 # -- called by the capture patches ---------------------------------------------------------------
 
 
+# Graphs captured while vLLM profiles graph memory (V2, from 0.29), against a KV cache it then tears
+# down: never replayed, closed before the real capture if anything still holds them.
+_PROFILED: weakref.WeakSet = weakref.WeakSet()
+
+
+def profiling(manager: Any) -> bool:
+    """Whether ``manager.capture`` runs inside vLLM's graph-memory profiling (the only caller that sets
+    ``_capture_mem_samples``), whose free-memory measurement around it sizes the KV cache."""
+    return getattr(manager, "_capture_mem_samples", None) is not None
+
+
 def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, block_tables: Any,
-               attn_groups: Any, kv_cache_config: Any) -> Any:
-    """Build and capture the V2 runner's prefill graphs; ``None`` when bcg does not run here."""
+               attn_groups: Any, kv_cache_config: Any, pcp_manager: Any = None) -> Any:
+    """Build and capture the V2 runner's prefill graphs; ``None`` when bcg does not run here.
+
+    Inside vLLM's graph-memory profiling the buckets are captured in full, as vLLM captures its own
+    piecewise graphs there, so its measurement takes them out of the KV-cache budget; those graphs
+    report nothing and are dropped with the profiling manager (closed here at the real capture if
+    still alive). With prefill context parallelism (``pcp_manager``), which the front-end already
+    declines, nothing is captured.
+    """
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
     from bcg_plugin.adapters.vllm.host import V2Host
 
-    if not runs_bcg(manager.vllm_config):
+    if not runs_bcg(manager.vllm_config) or pcp_manager is not None:
         return None
+    throwaway = profiling(manager)
+    if not throwaway:
+        for stale in list(_PROFILED):
+            stale.close()
+        _PROFILED.clear()
     graphs = VllmPrefillGraphs.build(
         lambda: V2Host(model, manager.vllm_config, manager.device, model_state=model_state,
                        input_buffers=input_buffers, block_tables=block_tables, attn_groups=attn_groups,
                        kv_cache_config=kv_cache_config),
         manager.vllm_config, model=model, attn_groups=attn_groups, kv_cache_config=kv_cache_config,
+        reports=not throwaway,
     )
     if graphs is not None:
+        if throwaway:
+            _PROFILED.add(graphs)
         graphs.capture()
     return graphs
 

@@ -80,7 +80,8 @@ class VllmPrefillGraphs:
         self.reporter = stats_reporter(self.runner.stats, reports=self._reports)
         if self._reports and METRICS_ENV not in os.environ:
             logger.info("bcg: %s", METRICS_NOTE)
-        INSTANCES.add(self)
+        if reports:  # graphs built only to measure memory are no engine's runners: the stats RPC skips them
+            INSTANCES.add(self)
 
     @classmethod
     def build(cls, host_factory: Any, vllm_config: Any, *, model: Any, attn_groups: Any,

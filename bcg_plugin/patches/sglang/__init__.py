@@ -16,10 +16,14 @@ from bcg_plugin.patches.sglang import (
     backend_choices,
     breakable_capture_var,
     capture_prefill_graph,
+    cli_backend_choices,
+    dp_prefill_vote,
     radix_attention_breakable,
     radix_attention_breakable_extra,
     radix_attention_breakable_lse,
+    radix_attention_eager,
     server_args_post_init,
+    server_args_resolve_once,
 )
 
 HOST = "sglang"  # the distribution whose version the patches are checked against
@@ -32,12 +36,15 @@ NOTES = """\
 Hooks go through SGLang's `HookRegistry`; after applying a set, the plugin checks that each hook
 really is in place (SGLang only logs hook failures). Hooks cannot be removed: their bodies pass
 through to SGLang unless the adapter says bcg runs, so a set that did not fully install is
-switched off without unpatching. On an SGLang outside the supported range the runtime stays off
+switched off without unpatching. RadixAttention's eager-attention method (0.5.23) is wrapped in
+place rather than hooked: a hook would replace SGLang's two-entry callable with a plain function
+and lose the explicit eager entry (`run_eager`) MLA calls. On an SGLang outside the supported range the runtime stays off
 with one warning, and only the launch set is installed, verified against the live symbols, so that
 `--cuda-graph-backend-prefill bcg` and `Engine(cuda_graph_backend_prefill="bcg")` run SGLang's
 default prefill backend instead of failing."""
 
-LAUNCH = PatchSet("launch", descriptors(backend_choices, server_args_post_init), select=GATE.nearest,
+LAUNCH = PatchSet("launch", descriptors(
+    backend_choices, cli_backend_choices, server_args_post_init, server_args_resolve_once), select=GATE.nearest,
                   when="always, also on an unsupported SGLang")
 RUNTIME = PatchSet("runtime", descriptors(
     capture_prefill_graph,
@@ -45,6 +52,8 @@ RUNTIME = PatchSet("runtime", descriptors(
     radix_attention_breakable,
     radix_attention_breakable_lse,
     radix_attention_breakable_extra,
+    radix_attention_eager,
+    dp_prefill_vote,
 ), select=GATE.selected, when="`BCG_ENABLE` on, with the launch set")
 SETS = (LAUNCH, RUNTIME)
 ALL = [*LAUNCH.patches, *RUNTIME.patches]

@@ -28,7 +28,7 @@ PATCH = Patch(
     make=make,
     reason="accept `bcg` as a `--cuda-graph-backend-prefill` value (argparse reads the tuple when the parser "
            "is built)",
-    hosts=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.20",
     upstream=NOT_FILED,
     remove_when="SGLang lets plugins register prefill graph backends or extra flags",
 )

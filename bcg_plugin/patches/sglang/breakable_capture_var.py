@@ -68,6 +68,10 @@ def break_name(frame: FrameType) -> str:
     else:
         name = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}"
     caller = frame.f_back
+    # From 0.5.23 a decorated method is reached through SGLang's callable object, in the wrapper's own
+    # file: the call site is the first frame outside it.
+    while caller is not None and caller.f_code.co_filename == code.co_filename:
+        caller = caller.f_back
     if caller is None:
         return name
     path = caller.f_code.co_filename
@@ -92,37 +96,51 @@ class _Refused(Exception):
     pass
 
 
-def _check(value: Any) -> str | None:
-    """The installed SGLang's break wrapper still consults the variable and ends the capture's
-    segment before it runs the op: probed with an op of our own, the variable restored after."""
-    if not isinstance(value, contextvars.ContextVar):
-        return f"{TARGET}: expected a ContextVar, found {type(value).__name__}"
-    decorate = getattr(importlib.import_module(MODULE), "eager_on_graph", None)
-    if not callable(decorate):
-        return f"{MODULE}.eager_on_graph: not found"
-    ran: list[bool] = []
+def _probe(decorate: Callable[[Callable[[], None]], Callable[[], None]], form: str):
+    """A check that the installed SGLang's break wrapper, made by ``decorate`` (``form`` names the
+    call), still consults the variable and ends the capture's segment before it runs the op: probed
+    with an op of our own, the variable restored after."""
 
-    def probe_op() -> None:
-        ran.append(True)
+    def check(value: Any) -> str | None:
+        if not isinstance(value, contextvars.ContextVar):
+            return f"{TARGET}: expected a ContextVar, found {type(value).__name__}"
+        if not callable(getattr(importlib.import_module(MODULE), "eager_on_graph", None)):
+            return f"{MODULE}.eager_on_graph: not found"
+        ran: list[bool] = []
 
-    try:
-        wrapped = decorate(True)(probe_op)
-    except Exception as e:
-        return f"{MODULE}.eager_on_graph(True) no longer decorates a function ({e!r})"
-    refused = False
-    token = value.set(_RefusingCapture(_Refused))
-    try:
-        wrapped()
-    except _Refused:
-        refused = True
-    except Exception as e:
-        return f"{MODULE}.eager_on_graph: its wrapper failed under a stand-in capture ({e!r})"
-    finally:
-        value.reset(token)
-    if ran or not refused:
-        return (f"{MODULE}.eager_on_graph: its wrapper no longer ends the capture's segment (read from "
-                f"{TARGET}) before it runs the op; bcg could not refuse the breaks it does not route")
-    return None
+        def probe_op() -> None:
+            ran.append(True)
+
+        try:
+            wrapped = decorate(probe_op)
+        except Exception as e:
+            return f"{MODULE}.{form} no longer decorates a function ({e!r})"
+        refused = False
+        token = value.set(_RefusingCapture(_Refused))
+        try:
+            wrapped()
+        except _Refused:
+            refused = True
+        except Exception as e:
+            return f"{MODULE}.eager_on_graph: its wrapper failed under a stand-in capture ({e!r})"
+        finally:
+            value.reset(token)
+        if ran or not refused:
+            return (f"{MODULE}.eager_on_graph: its wrapper no longer ends the capture's segment (read from "
+                    f"{TARGET}) before it runs the op; bcg could not refuse the breaks it does not route")
+        return None
+
+    return check
+
+
+def _eager_on_graph() -> Callable[..., Any]:
+    return importlib.import_module(MODULE).eager_on_graph
+
+
+# Through 0.5.21 the decorator takes the switch first (``eager_on_graph(True)(op)``); from 0.5.22 it
+# decorates directly (``eager_on_graph(op)``, the switch keyword-only), as SGLang's own breaks do.
+_check_switch_first = _probe(lambda op: _eager_on_graph()(True)(op), "eager_on_graph(True)")
+_check_bare = _probe(lambda op: _eager_on_graph()(op), "eager_on_graph(fn)")
 
 
 def make(var: contextvars.ContextVar) -> contextvars.ContextVar:
@@ -132,13 +150,28 @@ def make(var: contextvars.ContextVar) -> contextvars.ContextVar:
     return var
 
 
-PATCH = Patch(
-    target=TARGET,
-    how=Rebind(check=_check),
-    make=make,
-    reason="while bcg captures, fail the capture naming the op at any SGLang graph break bcg does not "
-    "route (it would run inline, its capture batch's metadata baked into the graph)",
-    hosts=">=0.5.17,<0.5.18",
-    upstream=NOT_FILED,
-    remove_when="SGLang's breaks dispatch through a pluggable break primitive bcg can own",
+_REASON = ("while bcg captures, fail the capture naming the op at any SGLang graph break bcg does not "
+           "route (it would run inline, its capture batch's metadata baked into the graph)")
+_REMOVE_WHEN = "SGLang's breaks dispatch through a pluggable break primitive bcg can own"
+
+PATCHES = (
+    Patch(
+        target=TARGET,
+        how=Rebind(check=_check_switch_first),
+        make=make,
+        reason=_REASON,
+        hosts=">=0.5.17,<0.5.22",
+        upstream=NOT_FILED,
+        remove_when=_REMOVE_WHEN,
+    ),
+    Patch(
+        target=TARGET,
+        how=Rebind(check=_check_bare),
+        make=make,
+        reason=_REASON + "; from 0.5.22 the break decorator is `eager_on_graph(fn=None, capture_stub=None, *, "
+               "enable=None)` and is probed in that form",
+        hosts=">=0.5.22,<0.5.24",
+        upstream=NOT_FILED,
+        remove_when=_REMOVE_WHEN,
+    ),
 )

@@ -40,7 +40,7 @@ PATCH = Patch(
     reason="build bcg's runner (private pool, owned break inputs, scrubbed padding) instead of SGLang's "
            "breakable runner (shared decode pool, weak break inputs), keeping SGLang's gates and accounting; "
            "rebinds the module global `PrefillCudaGraphRunner` only for the duration of the call",
-    hosts=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.24",
     upstream=NOT_FILED,
     remove_when="SGLang exposes a prefill-runner factory hook",
 )

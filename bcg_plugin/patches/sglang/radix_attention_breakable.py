@@ -32,7 +32,7 @@ PATCH = Patch(
     make=make,
     reason="route RadixAttention's breakable op to bcg's eager break (owned inputs, padded rows scrubbed, "
            "live batch) while bcg captures; SGLang's wrapper only splits under its own capture primitive",
-    hosts=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.23",
     upstream=NOT_FILED,
     remove_when="SGLang's breakable ops dispatch through a pluggable break primitive",
 )

@@ -23,7 +23,7 @@ PATCH = Patch(
     make=make,
     reason="fail bcg's capture for attention with `score_mod`/`aux_tensors`/descale kwargs, which bcg's "
            "break does not narrow",
-    hosts=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.23",
     upstream=NOT_FILED,
     remove_when="bcg's break narrows per-token extra kwargs",
 )

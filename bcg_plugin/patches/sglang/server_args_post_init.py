@@ -25,7 +25,7 @@ PATCH = Patch(
     reason="translate `bcg` to SGLang's auto prefill backend plus `BCG_ENABLE=1` (inherited by spawned "
            "schedulers), or to SGLang's default backend alone where the plugin is off (an unsupported "
            "SGLang); validate `BCG_*` before any process is spawned; refuse `bcg` for decode",
-    hosts=">=0.5.17,<0.5.18",
+    hosts=">=0.5.17,<0.5.20",
     upstream=NOT_FILED,
     remove_when="SGLang accepts plugin-defined prefill graph backends",
 )

@@ -48,7 +48,7 @@ PATCH = Patch(
     make=make,
     reason="V1: same as the V2 dispatch; answers the DP re-dispatch (`valid_modes={PIECEWISE}`) with "
            "vLLM's size so its assert holds",
-    hosts="==0.26.0",
+    hosts=">=0.26.0,<0.34",
     upstream=NOT_FILED,
     remove_when="vLLM dispatches mixed batches to an external prefill-graph runner",
 )

@@ -30,13 +30,16 @@ def make(original, *, capture_v1):
     return capture_model
 
 
-PATCH = Patch(
-    target="vllm.v1.worker.gpu_model_runner.GPUModelRunner.capture_model",
-    how=Wrap(params=["self"]),
-    make=make,
-    reason="V1: capture bcg's buckets (dummy batches from `_dummy_run`) before vLLM's graphs and its "
-           "workspace lock, and add their device memory to the graph memory vLLM reports",
-    hosts="==0.26.0",
-    upstream=NOT_FILED,
-    remove_when="vLLM exposes a capture hook for external graph runners",
+TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner.capture_model"
+REASON = ("V1: capture bcg's buckets (dummy batches from `_dummy_run`) before vLLM's graphs and its "
+          "workspace lock, and add their device memory to the graph memory vLLM reports")
+REMOVE_WHEN = "vLLM exposes a capture hook for external graph runners"
+GRAPH_CAPTURE = "vllm.distributed.parallel_state.graph_capture"
+
+PATCHES = (
+    Patch(target=TARGET, how=Wrap(params=["self"], uses={GRAPH_CAPTURE: ["device", "graph_capture_context"]}),
+          make=make, reason=REASON, hosts=">=0.26.0,<0.31", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
+    Patch(target=TARGET, how=Wrap(params=["self"], uses={GRAPH_CAPTURE: ["device"]}), make=make,
+          reason=REASON + " (captured on `graph_capture`'s own stream: no caller-chosen stream from 0.31)",
+          hosts=">=0.31,<0.34", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
 )

@@ -56,15 +56,17 @@ def make(original):
     return _dummy_run
 
 
-PATCH = Patch(
-    target="vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_run",
-    how=Wrap(params=PARAMS),
-    make=make,
-    reason="V1: bcg's capture builds its dummy batches with it (`profile_seq_lens` capped at "
-           "`max_model_len`, which the block table's rows hold); an idle DP rank's padded dummy forward "
-           "(which calls `self.model` directly) replays the bucket its peers replay instead of running "
-           "eagerly",
-    hosts="==0.26.0",
-    upstream=NOT_FILED,
-    remove_when="`_dummy_run` calls `_model_forward` or another hook external graph runners reach",
+TARGET = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._dummy_run"
+REASON = ("V1: bcg's capture builds its dummy batches with it (`profile_seq_lens` capped at "
+          "`max_model_len`, which the block table's rows hold); an idle DP rank's padded dummy forward "
+          "(which calls `self.model` directly) replays the bucket its peers replay instead of running "
+          "eagerly")
+REMOVE_WHEN = "`_dummy_run` calls `_model_forward` or another hook external graph runners reach"
+
+PATCHES = (
+    Patch(target=TARGET, how=Wrap(params=PARAMS), make=make, reason=REASON, hosts=">=0.26.0,<0.27",
+          upstream=NOT_FILED, remove_when=REMOVE_WHEN),
+    # randomize_inputs (a trailing keyword with a default) changes nothing the wrapper or bcg's own call uses.
+    Patch(target=TARGET, how=Wrap(params=[*PARAMS, "randomize_inputs"]), make=make, reason=REASON,
+          hosts=">=0.27,<0.34", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
 )

@@ -35,7 +35,7 @@ PATCH = Patch(
     how=Wrap(params=["self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"]),
     make=make,
     reason="V1: replay the dispatched bucket for `PIECEWISE` steps",
-    hosts="==0.26.0",
+    hosts=">=0.26.0,<0.34",
     upstream=NOT_FILED,
     remove_when="vLLM exposes a forward hook for external graph runners",
 )

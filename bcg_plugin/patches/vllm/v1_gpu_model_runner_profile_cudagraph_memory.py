@@ -34,7 +34,7 @@ PATCH = Patch(
            "minimal KV cache, released, extrapolated to the ladder), to the estimate the worker takes "
            "out of the KV-cache budget; without it bcg's graphs come on top of "
            "`--gpu-memory-utilization`",
-    hosts="==0.26.0",
+    hosts=">=0.26.0,<0.34",
     upstream=NOT_FILED,
     remove_when="vLLM lets external graph runners report their memory before the KV cache is sized",
 )
