@@ -64,8 +64,8 @@ class _HostImports:
     or a fixture, ``pytest.importorskip``, ``importlib.import_module``) while a test module is
     collected or a test runs.
 
-    Imports made by bcg_plugin or the host itself are not counted: whether they run depends on what
-    earlier tests already imported, and the check must not depend on the order tests run in."""
+    Imports made by bcg_plugin or the host itself are not counted: a module's own imports run once,
+    in whichever test first imports it, and the check must not depend on the order tests run in."""
 
     def __init__(self) -> None:
         self.real_import = builtins.__import__
