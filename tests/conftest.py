@@ -1,3 +1,4 @@
+import builtins
 import contextlib
 import importlib.util
 import os
@@ -10,7 +11,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 SOAK_ENV = "BCG_SOAK_SECONDS"
-GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+TESTS = Path(__file__).resolve().parent
+GPU_TESTS = TESTS / "gpu"
+# The host engines; a test that imports one carries its marker, which is how the CI of each extra
+# host version selects the tests to run against it (.ci/run: pytest -m vllm / -m sglang).
+HOSTS = ("vllm", "sglang")
+REQUIRED_HOSTS_ENV = "BCG_REQUIRED_HOSTS"
 
 
 def soak_requested(markexpr: str, environ) -> bool:
@@ -34,6 +40,137 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def required_hosts(environ) -> set[str]:
+    """The hosts named in ``BCG_REQUIRED_HOSTS`` (comma-separated): in a CI environment built for a
+    host, a test skipped because that host does not import is a broken environment, not a pass."""
+    return {h.strip() for h in (environ.get(REQUIRED_HOSTS_ENV) or "").split(",") if h.strip()}
+
+
+def _fail_required_skip(report, required: set[str]) -> None:
+    if not report.skipped or not required:
+        return
+    reason = _skip_reason(report)
+    missing = reason.removesuffix(" not installed")
+    if missing != reason and missing.partition(".")[0] in required:
+        report.outcome = "failed"
+        report.longrepr = (f"{missing} does not import, and {REQUIRED_HOSTS_ENV} requires it in this run: "
+                           f"the environment is broken; fix its package list (ci/hosts/)")
+
+
+class _HostImports:
+    """Records which host engines the tests' own code imports (an import statement in a test module
+    or a fixture, ``pytest.importorskip``, ``importlib.import_module``) while a test module is
+    collected or a test runs.
+
+    Imports made by bcg_plugin or the host itself are not counted: a module's own imports run once,
+    in whichever test first imports it, and the check must not depend on the order tests run in."""
+
+    def __init__(self) -> None:
+        self.real_import = builtins.__import__
+        self.real_import_module = importlib.import_module
+        self.seen: set[str] | None = None
+
+    def _note(self, name: str, caller_globals) -> None:
+        top = name.partition(".")[0]
+        if self.seen is not None and top in HOSTS and _from_test_code(caller_globals):
+            self.seen.add(top)
+
+    def import_statement(self, name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0:
+            self._note(name, globals)
+        return self.real_import(name, globals, locals, fromlist, level)
+
+    def import_module(self, name, package=None):
+        if not name.startswith("."):
+            self._note(name, sys._getframe(1).f_globals)
+        return self.real_import_module(name, package)
+
+    @contextlib.contextmanager
+    def recording(self, seen: set[str]):
+        outer, self.seen = self.seen, seen
+        builtins.__import__, importlib.import_module = self.import_statement, self.import_module
+        try:
+            yield seen
+        finally:
+            self.seen = outer
+            if outer is None:
+                builtins.__import__, importlib.import_module = self.real_import, self.real_import_module
+
+
+def _from_test_code(module_globals) -> bool:
+    if not module_globals:
+        return False
+    if module_globals.get("__name__") == "_pytest.outcomes":  # pytest.importorskip
+        return True
+    file = module_globals.get("__file__")
+    return bool(file) and TESTS in Path(file).resolve().parents
+
+
+_HOST_IMPORTS = _HostImports()
+_MODULE_HOSTS = pytest.StashKey[set]()
+_TEST_HOSTS = pytest.StashKey[set]()
+# Per fixture name: a fixture with a wider scope runs once, and every test using it needs what it imported.
+_FIXTURE_HOSTS: dict[str, set[str]] = {}
+
+
+def unmarked_host_imports(imported: set[str], markers: set[str]) -> list[str]:
+    return sorted(h for h in imported if h not in markers)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    if not isinstance(collector, pytest.Module):
+        outcome = yield
+    else:
+        with _HOST_IMPORTS.recording(set()) as seen:
+            outcome = yield
+        collector.stash[_MODULE_HOSTS] = seen
+    _fail_required_skip(outcome.get_result(), required_hosts(os.environ))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    with _HOST_IMPORTS.recording(_FIXTURE_HOSTS.setdefault(fixturedef.argname, set())):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    module = item.getparent(pytest.Module)
+    seen = item.stash.setdefault(_TEST_HOSTS, set(module.stash.get(_MODULE_HOSTS, ())) if module else set())
+    with _HOST_IMPORTS.recording(seen):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _HOST_IMPORTS.recording(item.stash.setdefault(_TEST_HOSTS, set())):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    _fail_required_skip(report, required_hosts(os.environ))
+    # Checked once the test ran (or was skipped before it could): its own outcome comes first.
+    if report.failed or call.when == "teardown" or (call.when == "setup" and not report.skipped):
+        return
+    if item.get_closest_marker("gpu") is not None:
+        return
+    imported = set(item.stash.get(_TEST_HOSTS, ()))
+    for name in item.fixturenames:
+        imported |= _FIXTURE_HOSTS.get(name, set())
+    unmarked = unmarked_host_imports(imported, {m.name for m in item.iter_markers()})
+    if unmarked:
+        names = ", ".join(unmarked)
+        marks = " and ".join(f"@pytest.mark.{h}" for h in unmarked)
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} imports {names} but is not marked {marks}: the CI run of each "
+                           f"{names} version selects tests by that marker and would leave this one out")
+
 
 
 def _skip_reason(report) -> str:

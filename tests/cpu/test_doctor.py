@@ -8,13 +8,17 @@ import pytest
 from bcg_plugin import doctor
 
 
+# Each engine's case carries the engine's marker: the CI run of each host version selects by it.
+ENGINES = [pytest.param(engine, marks=getattr(pytest.mark, engine)) for engine in ("vllm", "sglang")]
+
+
 def _run(config=None, engines=("vllm", "sglang")):
     out = io.StringIO()
     rc = doctor.run(config, list(engines), out=out)
     return rc, out.getvalue()
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_installed_host_is_reported_compatible_with_every_target_checked(engine):
     pytest.importorskip(engine)
     rc, text = _run(engines=[engine])
@@ -24,6 +28,7 @@ def test_installed_host_is_reported_compatible_with_every_target_checked(engine)
     assert "installed but off" in text
 
 
+@pytest.mark.vllm
 def test_enabled_config_says_what_the_plugin_will_do():
     pytest.importorskip("vllm")
     rc, text = _run('{"enable": true, "max_tokens": 4096}', engines=["vllm"])
@@ -32,12 +37,14 @@ def test_enabled_config_says_what_the_plugin_will_do():
     assert rc == 0 and "up to the engine's chunk size (or the most tokens one step can hold, if less)" in text
 
 
+@pytest.mark.vllm
 def test_invalid_config_fails_and_names_the_key():
     pytest.importorskip("vllm")
     rc, text = _run('{"max_tokens": -1}', engines=["vllm"])
     assert rc == 1 and "INVALID" in text and "max_tokens" in text
 
 
+@pytest.mark.vllm
 def test_unsupported_host_version_is_incompatible(monkeypatch):
     pytest.importorskip("vllm")
     import bcg_plugin.adapters.vllm.version as version
@@ -54,6 +61,7 @@ def test_no_host_installed_is_an_error(monkeypatch):
     assert rc == 1 and "nothing to do" in text
 
 
+@pytest.mark.vllm
 def test_vllm_report_says_what_metrics_need(monkeypatch):
     pytest.importorskip("vllm")
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
@@ -66,6 +74,7 @@ def test_vllm_report_says_what_metrics_need(monkeypatch):
     assert "PROMETHEUS_MULTIPROC_DIR" not in out.getvalue()
 
 
+@pytest.mark.vllm
 def test_vllm_report_names_the_defaults_vllm_sets_under_the_users_keys():
     pytest.importorskip("vllm")
     out = io.StringIO()
@@ -88,6 +97,7 @@ def _section(text, engine):
     return block.split("\n\n", 1)[0]
 
 
+@pytest.mark.vllm
 def test_vllm_reads_no_bcg_variable_so_the_environment_enables_nothing_there():
     pytest.importorskip("vllm")
     rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKENS": "4096", "PATH": "/bin"})
@@ -106,6 +116,7 @@ def test_vllm_reads_no_bcg_variable_so_the_environment_enables_nothing_there():
     ({"BCG_ENABLE": "1", "BCG_TORCH_COMPILE": "1"}, "'torch_compile' is supported with vLLM only"),
     ({"BCG_ENABLE": "1", "BCG_STATS_INTERVAL_S": "abc"}, "'BCG_STATS_INTERVAL_S' must be a number of seconds"),
 ])
+@pytest.mark.sglang
 def test_sglang_configurations_its_start_refuses_are_invalid(environ, key):
     pytest.importorskip("sglang")
     rc, text = _run_env(environ, engines=["sglang"])
@@ -114,6 +125,7 @@ def test_sglang_configurations_its_start_refuses_are_invalid(environ, key):
     assert "replay bcg graphs" not in sglang
 
 
+@pytest.mark.sglang
 def test_sglang_names_misspelled_variables_and_json_it_cannot_be_given():
     pytest.importorskip("sglang")
     rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKEN": "512", "BCG_STATS_INTERVAL_S": "5"},
@@ -127,8 +139,8 @@ def test_sglang_names_misspelled_variables_and_json_it_cannot_be_given():
 
 
 @pytest.mark.parametrize("engine, module, function", [
-    ("vllm", "bcg_plugin.adapters.vllm.doctor", "validate"),
-    ("sglang", "bcg_plugin.adapters.sglang.config", "read_config"),
+    pytest.param("vllm", "bcg_plugin.adapters.vllm.doctor", "validate", marks=pytest.mark.vllm),
+    pytest.param("sglang", "bcg_plugin.adapters.sglang.config", "read_config", marks=pytest.mark.sglang),
 ])
 def test_doctor_runs_the_adapters_own_validation(monkeypatch, engine, module, function):
     import importlib

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -45,11 +46,15 @@ def test_rescale_loaded_refuses_tensors(gpu_test_module):
         gpu_test_module("dummy_weights").rescale_loaded(dummy_model(), [("x", torch.zeros(1))])
 
 
+@pytest.mark.sglang
 def test_sglang_weight_updater_runs_the_loader_by_name(monkeypatch, gpu_test_module):
     """The real SGLang ``WeightUpdater`` imports the loader by its name and calls it on the model."""
     pytest.importorskip("sglang")
+    from sglang.srt.model_executor.model_runner_components import weight_updater
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
+    if hasattr(weight_updater, "get_model"):  # from 0.5.20 the mode is read from SGLang's published config
+        monkeypatch.setattr(weight_updater, "get_model", lambda: SimpleNamespace(weight_cache_mode="off"))
     loader = gpu_test_module("test_sglang_gpu").RESCALE_LOADER
     monkeypatch.syspath_prepend(str(GPU_TESTS))  # as the engine test's PYTHONPATH does for the schedulers
     model = dummy_model()
@@ -58,5 +63,9 @@ def test_sglang_weight_updater_runs_the_loader_by_name(monkeypatch, gpu_test_mod
         get_model=lambda: model, update_model_fields=lambda **_: None, recapture_cuda_graph=lambda: None,
         get_model_runner=lambda: SimpleNamespace(server_args=SimpleNamespace(weight_cache_mode="off")),
     )
-    assert updater.update_weights_from_tensor([], load_format=loader) == (True, "Success")
+    rank = contextlib.nullcontext()
+    if hasattr(weight_updater, "get_parallel"):  # from 0.5.23 the TP rank is read from SGLang's context too
+        rank = weight_updater.get_parallel().override(tp_rank=0)
+    with rank:
+        assert updater.update_weights_from_tensor([], load_format=loader) == (True, "Success")
     assert_rescaled(model)

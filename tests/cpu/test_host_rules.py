@@ -86,7 +86,7 @@ def test_a_fault_module_that_does_not_import_is_named(fresh_faults, monkeypatch)
         faults.active()
 
 
-@pytest.mark.parametrize("host", ["vllm", "sglang"])
+@pytest.mark.parametrize("host", [pytest.param(h, marks=getattr(pytest.mark, h)) for h in ("vllm", "sglang")])
 def test_the_version_gate_refuses_a_torch_outside_the_checked_range(host, monkeypatch):
     pytest.importorskip(host)
     import torch

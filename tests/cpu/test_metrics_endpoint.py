@@ -71,7 +71,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "CUDA_VISIBLE_DEVICES": "", **extra}
 
 
-@pytest.mark.parametrize("host", ["vllm", "sglang"])
+@pytest.mark.parametrize("host", [pytest.param(h, marks=getattr(pytest.mark, h)) for h in ("vllm", "sglang")])
 def test_engine_counters_reach_the_hosts_metrics_endpoint(host, tmp_path):
     pytest.importorskip(host)
     env = _env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
@@ -87,6 +87,7 @@ def test_engine_counters_reach_the_hosts_metrics_endpoint(host, tmp_path):
     assert _value(text, f"{host}:bcg_capture_seconds") == 2.5
 
 
+@pytest.mark.vllm
 def test_vllm_serves_engine_counters_only_in_multiprocess_mode():
     """Without PROMETHEUS_MULTIPROC_DIR vLLM's /metrics is its own process's registry: the engine
     process's counters are not there. This is why the README tells vLLM users to set it."""

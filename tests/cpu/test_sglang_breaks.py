@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("sglang")
 
+pytestmark = pytest.mark.sglang
+
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (  # noqa: E402
     breakable_cuda_graph as sglang_bcg,
 )

@@ -21,6 +21,8 @@ from packaging.specifiers import SpecifierSet
 
 pytest.importorskip("sglang")
 
+pytestmark = pytest.mark.sglang
+
 from bcg_plugin.adapters import sglang as adapter  # noqa: E402
 from bcg_plugin.adapters.sglang import config, eligibility, plugin, version  # noqa: E402
 from bcg_plugin.adapters.sglang.replay import BcgPrefillRunner  # noqa: E402
