@@ -299,6 +299,10 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     if mode.startswith("bcg"):
         result["bcg_config"] = kwargs["additional_config"]["bcg"]
         result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
+        if not result["bcg_stats"]:
+            # Without bcg's graphs this process measured vLLM alone; its figures must not pass as bcg's.
+            raise SystemExit(f"bench {mode}: bcg captured nothing in this engine, so its figures would be vLLM's "
+                             "without bcg; the engine log's 'bcg:' warning says why")
     if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective
         barrier.wait()
     return result

@@ -230,3 +230,34 @@ def test_bench_timers_leave_bcgs_runner_patches_verifiable(monkeypatch, vllm_plu
     bench.Timers().install()
     assert RUNNER.problems() == []
     assert plugin.runner_patch_problem() is None
+
+
+@pytest.mark.parametrize("stats, engaged", [([[]], False), ([[{"summary": "replays=3 fallbacks=0"}]], True)])
+def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vllm(monkeypatch, stats, engaged):
+    import vllm
+
+    from bcg_bench import vllm_mode as bench
+    from bcg_plugin.adapters.vllm import plugin
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [types.SimpleNamespace(metrics=None)]
+
+        def collective_rpc(self, name):
+            return stats
+
+    monkeypatch.setattr(bench, "_env_for", lambda *a, **k: None)
+    monkeypatch.setattr(plugin, "register", lambda: None)
+    monkeypatch.setattr(plugin, "apply_runner_patches", lambda *a: True)
+    monkeypatch.setattr(bench.Timers, "install", lambda self: None)
+    monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
+    monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    if engaged:
+        assert bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)["bcg_stats"] == ["replays=3 fallbacks=0"]
+    else:
+        with pytest.raises(SystemExit, match="bcg captured nothing"):
+            bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
