@@ -216,13 +216,20 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def vllm_plugin_off():
     """The vLLM adapter unregistered, with no launch warning remembered, before the test and after it."""
+    import logging
+
     from bcg_plugin.adapters.vllm import launch, plugin
 
+    # Arming the runner patches routes the core's logger into vLLM's (process state, kept by design
+    # in an engine); later tests that capture the core's records must find it as it was.
+    core = logging.getLogger("bcg_plugin")
+    saved = (list(core.handlers), core.propagate, core.level)
     plugin.unregister()
     launch._logged.clear()
     yield
     plugin.unregister()
     launch._logged.clear()
+    core.handlers[:], core.propagate, core.level = saved
 
 
 @pytest.fixture(scope="module")
