@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from bcg_plugin.patches import NOT_FILED, Patch, PatchSet
-from bcg_plugin.patches.sglang import Hook
+from bcg_plugin.patches.sglang import GATE, Hook
 
 RECORD_ENV = "BCG_BENCH_RECORD"  # the file every scheduler appends its records to, one JSON object a line
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
@@ -124,7 +124,7 @@ FORWARD = Patch(
     how=Hook("AROUND", params=("self", "forward_batch")),
     make=lambda: around_forward,
     reason="benchmark only: model-forward time of prefill forwards (CUDA events)",
-    hosts=">=0.5.17,<0.5.24",
+    hosts=str(GATE.supported),  # wherever the plugin itself runs
     upstream=NOT_FILED,
     remove_when="SGLang's device timer exposes per-forward prefill times to clients",
 )
@@ -133,7 +133,7 @@ CAPTURE = Patch(
     how=Hook("AFTER", params=("model_runner", "eager_runner")),
     make=lambda: after_capture_prefill_graph,
     reason="benchmark only: capture time and graph memory per prefill backend",
-    hosts=">=0.5.17,<0.5.24",
+    hosts=str(GATE.supported),  # wherever the plugin itself runs
     upstream=NOT_FILED,
     remove_when="SGLang reports graph memory/time per phase through get_server_info",
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -77,16 +78,18 @@ class HostGate:
     def installed(self) -> str | None:
         return installed_version(self.dist)
 
-    def untested(self, found: str | None) -> bool:
-        """Whether ``found`` is newer than every release bcg-plugin was validated on and the user opted in."""
-        import os
-
-        if found is None or os.environ.get(UNTESTED_ENV, "") not in ("1", "true", "yes"):
-            return False
+    def _newer(self, found: str) -> bool:
+        """Whether ``found`` is a version above every release bcg-plugin was validated on."""
         try:
-            return Version(found) > Version(self.releases[-1]) and Version(found) not in self.supported
+            v = Version(found)
         except InvalidVersion:
             return False
+        return v > Version(self.releases[-1]) and v not in self.supported
+
+    def untested(self, found: str | None) -> bool:
+        """Whether ``found`` is newer than every release bcg-plugin was validated on and the user opted in."""
+        return (found is not None and os.environ.get(UNTESTED_ENV, "") in ("1", "true", "yes")
+                and self._newer(found))
 
     def problem(self, found: str | None) -> str | None:
         """Why ``found`` is not patched (see :func:`host_problem`), or ``None``."""
@@ -95,7 +98,7 @@ class HostGate:
 
             return torch_version_problem()
         problem = host_problem(self.dist, self.supported, found)
-        if problem is not None and found is not None and problem.startswith(f"{self.dist} {found} is outside"):
+        if problem is not None and found is not None and self._newer(found):
             problem += f"; set {UNTESTED_ENV}=1 to try a newer release untested"
         return problem
 

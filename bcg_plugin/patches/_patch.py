@@ -283,18 +283,10 @@ class PatchSet:
         return [p for p in self.patches if p.applies_to(version)]
 
     def problems(self, calls: Mapping[str, Any] | None = None) -> list[str]:
-        problems = []
-        for patch in self.active():
-            try:
-                patch.verify(calls)
-            except PatchTargetError as e:
-                problems.append(str(e))
-        return problems
+        return _problems(self.active(), calls)
 
     def verify(self, calls: Mapping[str, Any] | None = None) -> None:
-        problems = self.problems(calls)
-        if problems:
-            raise PatchTargetError("; ".join(problems))
+        _raise(_problems(self.active(), calls))
 
     @property
     def applied(self) -> bool:
@@ -311,7 +303,7 @@ class PatchSet:
         active = self.active()
         if not active:
             raise PatchTargetError(f"{self.name}: no patch descriptor covers this host version")
-        self.verify(calls)
+        _raise(_problems(active, calls))
         done: list[Patch] = []
         try:
             for patch in active:
@@ -334,6 +326,21 @@ class PatchSet:
     def unapply(self) -> None:
         for patch in reversed(self.patches):
             patch.unapply()
+
+
+def _problems(patches: Iterable[Patch], calls: Mapping[str, Any] | None) -> list[str]:
+    problems = []
+    for patch in patches:
+        try:
+            patch.verify(calls)
+        except PatchTargetError as e:
+            problems.append(str(e))
+    return problems
+
+
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise PatchTargetError("; ".join(problems))
 
 
 def coverage_problems(patches: Iterable[Patch], releases: Iterable[str]) -> list[str]:

@@ -126,3 +126,4 @@ def test_a_newer_release_runs_only_on_the_untested_opt_in_with_the_newest_descri
     assert gate.untested("1.4") and gate.problem("1.4") is None and gate.selected() == "1.2"
     # An older release than every validated one is never "untested newer".
     assert not gate.untested("0.9") and "outside" in gate.problem("0.9")
+    assert UNTESTED_ENV not in gate.problem("0.9")  # the opt-in cannot help an older release: no hint
