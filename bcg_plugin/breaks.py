@@ -12,7 +12,11 @@ return values (break outputs must be out-parameters: pitfall 1) and raises on un
   replay with no padded row there calls the break's own function, :func:`plain_call`);
 * break arguments that live outside the runtime's pool are held strongly by the bucket, because
   the primitive replays with non-owning aliases (pitfall 2). Arguments inside the pool were
-  written by an earlier segment of the same bucket, which replays right before the break.
+  written by an earlier segment of the same bucket, which replays right before the break;
+* a break declared ``capturable`` (attention whose host can land each batch's metadata into
+  buffers fixed per bucket) is captured inline, inside the segment, in the buckets whose capture
+  asks for it (:func:`inline_breaks`): those buckets replay with no eager step there at all. Its
+  padded output rows are zeroed by the same captured scrub, right after it.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ _capture_holds: contextvars.ContextVar[BreakArgumentHolds | None] = contextvars.
     "bcg_capture_holds", default=None
 )
 _capture_scrub: contextvars.ContextVar[RowScrub | None] = contextvars.ContextVar("bcg_capture_scrub", default=None)
+# Set for the capture of a bucket whose host lands attention metadata into fixed buffers: capturable
+# breaks run inline there, so the kernel is recorded into the segment instead of ending it.
+_capture_inline: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_capture_inline", default=False)
 # A break's replay step -> the function it wraps: what replay calls when the graph zeroes every
 # padded row itself, so the step's check of the live batch would find nothing to do.
 _plain_calls: weakref.WeakKeyDictionary[Callable[..., Any], Callable[..., Any]] = weakref.WeakKeyDictionary()
@@ -67,13 +74,22 @@ def plain_call(step: Callable[..., Any]) -> Callable[..., Any]:
     return _plain_calls.get(step, step)
 
 
-def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] = ()) -> Callable[..., Any]:
+def inline_breaks() -> bool:
+    """Whether the capture under way records capturable breaks inline (see :func:`eager_break`)."""
+    return _capture_inline.get()
+
+
+def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] = (),
+                capturable: bool = False) -> Callable[..., Any]:
     """Mark ``fn`` as an eager break; outside a capture it is a plain call.
 
     Args:
         outputs: names of ``fn``'s out-parameters whose first dimension is the token row, one row
             per token of the bucket; rows at and past the live batch's ``num_tokens`` are zeroed
             after every call inside a padded bucket, before the next segment reads them.
+        capturable: ``fn`` reads nothing per batch but device buffers whose addresses and shapes
+            its host keeps fixed per bucket (and refills before each replay), so a bucket whose
+            capture asks for it (the host's ``bcg_graph_attention``) records ``fn`` inline.
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -109,12 +125,13 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
 
         _plain_calls[step] = fn
         broken = no_graph(step, capture_stub=capture_step)
-        if not positions:
+        if not positions and not capturable:
             return broken
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            result = broken(*args, **kwargs)
+            inline = capturable and _capture_inline.get()
+            result = fn(*args, **kwargs) if inline else broken(*args, **kwargs)
             scrub = _capture_scrub.get()
             if scrub is not None:  # under a bucket's capture: the segment after the break begins here
                 for name, out in declared(args, kwargs):

@@ -27,7 +27,7 @@ from breakable_cuda_graphs import BreakableCUDAGraph, _EagerSegment, breakable_g
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, _capture_scrub, plain_call
+from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, _capture_inline, _capture_scrub, plain_call
 from bcg_plugin.errors import BcgVersionError
 from bcg_plugin.padding import RowScrub
 from bcg_plugin.pool import GraphPool
@@ -155,11 +155,13 @@ class SegmentedGraph:
 
 
 def capture_segments(
-    fn: Callable[[], T], *, pool: GraphPool, stream: torch.cuda.Stream, scrub: RowScrub | None = None
+    fn: Callable[[], T], *, pool: GraphPool, stream: torch.cuda.Stream, scrub: RowScrub | None = None,
+    inline_breaks: bool = False,
 ) -> tuple[SegmentedGraph, T]:
     """Capture ``fn()`` into segments on ``stream`` in ``pool``; return the graph and ``fn``'s result.
 
     ``scrub``: the padded rows the segment after each break zeroes in the breaks' outputs.
+    ``inline_breaks``: record the breaks declared capturable inside the segments.
     """
     check_torch_version()
     holds = BreakArgumentHolds(pool.contains)
@@ -169,6 +171,7 @@ def capture_segments(
     gc.disable()  # a collected graph calling reset() mid-capture invalidates it (pitfall 9)
     token = _capture_holds.set(holds)
     scrub_token = _capture_scrub.set(scrub)
+    inline_token = _capture_inline.set(inline_breaks)
     completed = False
     try:
         with torch.cuda.stream(stream), _BucketCapture(graph, stream=stream):
@@ -176,6 +179,7 @@ def capture_segments(
         completed = True
         return SegmentedGraph(graph, holds), result
     finally:
+        _capture_inline.reset(inline_token)
         _capture_scrub.reset(scrub_token)
         _capture_holds.reset(token)
         if not completed:

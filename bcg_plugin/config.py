@@ -17,6 +17,7 @@ from bcg_plugin.errors import BcgConfigError
 
 ENV_PREFIX = "BCG_"  # BCG_ENABLE=1, BCG_MAX_TOKENS=2048, BCG_SIZES=16,32,64 ...
 WARMUP_POLICIES = ("every_bucket", "first_bucket")
+ATTENTION_CHOICES = ("auto", "graph", "break")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +43,20 @@ class BcgConfig:
             ``"first_bucket"`` warms up only the first (largest) bucket and captures the others
             directly, retrying a bucket after its own warm-up if its direct capture fails. The
             vLLM adapter defaults to ``"first_bucket"``, verified there by its engine tests.
-        torch_compile: keep the host's torch.compile of the model body and capture the compiled code,
-            attention still the eager break, so graph-bound sizes get the compiler's fused kernels
+        torch_compile: keep the host's torch.compile of the model body and capture the compiled code
+            (attention where ``attention`` puts it), so graph-bound sizes get the compiler's fused kernels
             too. vLLM only (its piecewise compilation already splits the body at attention); off,
             the adapter turns torch.compile off and captures the plain PyTorch model. The vLLM
             adapter defaults to on, keeping the compilation vLLM is configured with.
+        attention: where a bucket's attention runs. ``"graph"``: inside the captured graph, in every
+            bucket whose attention the host can run from buffers fixed per bucket (its full-graph
+            metadata; vLLM: the V2 runner with FLASH_ATTN (FA3) or TRITON_ATTN, up to its
+            ``max_cudagraph_capture_size``), so a small batch replays one graph with no eager step;
+            the other buckets break. ``"break"``: an eager call between graph segments in every
+            bucket, sized for the live batch. ``"auto"``: the host's choice per bucket, in the graph
+            where its kernel, launched on the grid captured for the bucket's worst case, does not
+            lose to the eager call sized for the live batch. The choice per bucket is logged with
+            the capture summary and shown by ``bcg doctor``.
     """
 
     enable: bool = False
@@ -56,6 +66,7 @@ class BcgConfig:
     capture_failure: str = "eager"
     warmup: str = "every_bucket"
     torch_compile: bool = False
+    attention: str = "auto"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None, *, source: str = "bcg config") -> BcgConfig:
@@ -91,6 +102,14 @@ class BcgConfig:
             values["capture_failure"] = mode
         if "torch_compile" in raw:
             values["torch_compile"] = _bool(raw["torch_compile"], "torch_compile", source)
+        if "attention" in raw:
+            choice = raw["attention"]
+            if choice not in ATTENTION_CHOICES:
+                raise BcgConfigError(
+                    f"{source}: 'attention' must be one of {', '.join(map(json.dumps, ATTENTION_CHOICES))}, "
+                    f"got {choice!r}"
+                )
+            values["attention"] = choice
         if "warmup" in raw:
             policy = raw["warmup"]
             if policy not in WARMUP_POLICIES:

@@ -71,6 +71,9 @@ class AdapterReport:
             validation of ``raw`` (the parsed ``--config`` JSON, ``None`` if not given) and ``environ``.
         replay_scope: what the adapter replays when the configuration enables bcg (eligibility the
             configuration alone cannot settle), said after the top bucket.
+        attention_scope: ``attention_scope(config) -> str``: where each bucket's attention runs under
+            ``config`` (the choice a capture then logs bucket by bucket), or ``None`` if the adapter
+            always breaks.
     """
 
     engine: str
@@ -82,6 +85,7 @@ class AdapterReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     check_config: Callable[[Any, Mapping[str, str]], ConfigCheck] | None = None
     replay_scope: str = ""
+    attention_scope: Callable[[BcgConfig], str] | None = None
 
     @property
     def installed(self) -> bool:
@@ -191,6 +195,9 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout, environ: Ma
                    else "the engine's chunk size (or the most tokens one step can hold, if less)")
             say(f"  -> prefill/extend forwards up to {top} replay bcg graphs" + (
                 f" ({report.replay_scope})" if report.replay_scope else ""))
+            where = (report.attention_scope(config) if report.attention_scope is not None
+                     else "an eager break in every bucket (this adapter captures no attention inside the graph)")
+            say(f"  -> attention ({json.dumps(config.attention)}): {where}")
     if not any_host:
         say()
         say("no supported host engine (vLLM, SGLang) is installed: the plugin has nothing to do")

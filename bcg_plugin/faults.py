@@ -38,6 +38,15 @@ class BcgFaultSpec:
         """
 
 
+    @hookspec
+    def bcg_graph_metadata(self, host: str, bucket: int, live: dict, earlier: dict) -> None:
+        """Called before a replay whose attention runs inside the graph, once the host has landed the
+        batch's metadata: ``live`` names persistent device buffers the graph reads (vLLM:
+        ``seq_lens``), ``earlier`` holds copies of them taken at the bucket's capture. A plugin may
+        write into ``live`` (e.g. ``earlier``'s values) so the graph reads metadata of another batch.
+        """
+
+
 _manager: pluggy.PluginManager | None = None
 
 
@@ -69,3 +78,9 @@ def replay_metadata(host: str, bucket: int, live: Any, earlier: Any = None) -> A
         return live
     chosen = plugins().hook.bcg_replay_metadata(host=host, bucket=bucket, live=live, earlier=earlier)
     return live if chosen is None else chosen
+
+
+def graph_metadata(host: str, bucket: int, live: dict, earlier: dict) -> None:
+    """Give fault plugins the landed metadata buffers of a graph-attention replay (no-op without one)."""
+    if active():
+        plugins().hook.bcg_graph_metadata(host=host, bucket=bucket, live=live, earlier=earlier)

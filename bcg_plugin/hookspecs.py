@@ -96,11 +96,26 @@ class BcgHostSpec:
         """
 
     @hookspec(firstresult=True)
-    def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
+    def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
+        """Return the buckets whose attention stays inside the captured graph.
+
+        ``attention`` is the config's choice, ``"graph"`` or ``"auto"`` (``"break"`` never asks).
+        For ``"graph"``: every bucket whose attention the host can run from buffers fixed per
+        bucket, landing each batch's metadata into them before the replay; for ``"auto"``: those
+        of them where the captured kernel does not lose to the eager call. In those buckets every
+        break made with ``eager_break(..., capturable=True)`` is captured inline, and
+        :meth:`bcg_dummy_batch` is asked for graph-resident metadata. The answer must be the same
+        on every rank. ``None``: attention breaks in every bucket.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool) -> HostBatch:
         """Return a capture batch of exactly ``num_tokens`` rows (bs=1 extend, KV to a dummy slot).
 
         Its payload is bound as the live batch while the bucket is captured, so breaks run real
-        attention on it once; nothing of it is read again at replay.
+        attention on it once; nothing of it is read again at replay. ``graph_attention``: the
+        bucket keeps attention inside the graph (:meth:`bcg_graph_attention`), so the batch's
+        attention metadata must live in the buffers every replay of the bucket lands its own in.
         """
 
     @hookspec(firstresult=True)

@@ -9,7 +9,8 @@ flags in one launch, or none when its padding is the one the flags already hold.
 The graph only covers the rows a bucket pads when the host picks the smallest bucket that fits:
 ``[start, bucket)``, ``start`` being the next smaller bucket. A batch with fewer rows still (a
 data-parallel rank padded to its peers' bucket) has its rows ``[num_tokens, start)`` zeroed by the
-breaks themselves, as before.
+breaks themselves, as before. A bucket whose attention is captured inline has no eager step left to
+do that, so its graph covers all its rows, ``[0, bucket)``, with flags of its own.
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ class PaddedRows:
     """The per-row flags every bucket's graph reads, and the rows each bucket's graph scrubs.
 
     Buckets' scrubbed ranges ``[start, bucket)`` tile ``[0, top)``, so each bucket owns its part of
-    the flags and remembers the row count it last flagged for.
+    the flags and remembers the row count it last flagged for. ``whole``: buckets whose graph scrubs
+    every row (no eager break is left to zero the rows below ``start``); each has flags of its own.
     """
 
-    def __init__(self, buckets: list[int], device: torch.device) -> None:
+    def __init__(self, buckets: list[int], device: torch.device, whole: frozenset[int] = frozenset()) -> None:
         top = buckets[-1]
-        self._padded = torch.zeros(top, dtype=torch.bool, device=device)
+        self._padded = torch.zeros(top, dtype=torch.bool, device=device)  # the tiled ranges' flags
         self._rows = torch.arange(top, dtype=torch.int32, device=device)
-        self._start = dict(zip(buckets, [0, *buckets[:-1]]))
+        self._start = {b: 0 if b in whole else s for b, s in zip(buckets, [0, *buckets[:-1]])}
+        self._flags = {b: torch.zeros(b, dtype=torch.bool, device=device) if b in whole else self._padded[self._start[b]:b]
+                       for b in buckets}
         self._flagged_for = {bucket: bucket for bucket in buckets}  # all zeros: no row padded
 
     def start(self, bucket: int) -> int:
@@ -58,13 +62,11 @@ class PaddedRows:
 
     def scrub(self, bucket: int) -> RowScrub:
         """What ``bucket``'s capture records after each break."""
-        start = self._start[bucket]
-        return RowScrub(start, bucket, self._padded[start:bucket])
+        return RowScrub(self._start[bucket], bucket, self._flags[bucket])
 
     def flag(self, bucket: int, num_tokens: int) -> None:
         """Flag rows ``num_tokens`` and up of ``bucket``'s range as padding, before its replay."""
         if self._flagged_for[bucket] == num_tokens:
             return
-        start = self._start[bucket]
-        torch.ge(self._rows[start:bucket], num_tokens, out=self._padded[start:bucket])
+        torch.ge(self._rows[self._start[bucket]:bucket], num_tokens, out=self._flags[bucket])
         self._flagged_for[bucket] = num_tokens

@@ -82,6 +82,7 @@ class PrefillGraphRunner:
         self._static: dict[str, torch.Tensor] = {}
         self._pads: dict[str, float | int] = {}
         self._padded: PaddedRows | None = None
+        self.graph_attention: frozenset[int] = frozenset()
         self._output: torch.Tensor | None = None
         self._capture_failed = False
         self._fallback_capture_stream: torch.cuda.Stream | None = None
@@ -131,11 +132,13 @@ class PrefillGraphRunner:
             self.stats.pool_bytes = self._pool.reserved_bytes()
             # The pool is only part of it: the driver holds memory for every captured segment.
             self.stats.graph_bytes = max(free_before - self._free_device_bytes(), 0)
+            self.stats.graph_attention_buckets = sorted(self.graph_attention)
             logger.info(
                 "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s (warm-up forwards %.2f s), "
-                "graph memory %.3f GiB (pool %.3f GiB)",
+                "graph memory %.3f GiB (pool %.3f GiB); %s",
                 len(self._graphs), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
                 self.stats.warmup_seconds, self.stats.graph_bytes / 2**30, self.stats.pool_bytes / 2**30,
+                attention_summary(self.buckets, self.graph_attention),
             )
             return
         self.close()
@@ -237,12 +240,24 @@ class PrefillGraphRunner:
         if not specs:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
         top = self.buckets[-1]
+        self.graph_attention = self._plan_attention()
         self._pool = GraphPool()
         with self._pool.allocating():  # live blocks in the pool's segments, not segments of their own
             self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
-            self._padded = PaddedRows(self.buckets, self.device)
+            self._padded = PaddedRows(self.buckets, self.device, whole=self.graph_attention)
         self._pads = {name: spec.pad for name, spec in specs.items()}
         return self._hook.bcg_capture_stream() or self._fallback_stream()
+
+    def _plan_attention(self) -> frozenset[int]:
+        """The buckets whose attention is captured inside the graph: none under ``attention: "break"``,
+        else the host's answer (:meth:`~bcg_plugin.hookspecs.BcgHostSpec.bcg_graph_attention`)."""
+        if self.config.attention == "break":
+            return frozenset()
+        chosen = self._hook.bcg_graph_attention(buckets=list(self.buckets), attention=self.config.attention)
+        unknown = sorted(set(chosen or ()) - set(self.buckets))
+        if unknown:
+            raise BcgStateError(f"bcg_graph_attention returned {unknown}, which are not buckets of this runner")
+        return frozenset(chosen or ())
 
     def _fallback_stream(self) -> torch.cuda.Stream:
         """The capture stream for hosts that name none: ``torch.cuda.graph``'s own, else one for the runner's life.
@@ -297,7 +312,8 @@ class PrefillGraphRunner:
         raise _PeerCaptureFailure(world)
 
     def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream, *, warm: bool = True) -> SegmentedGraph:
-        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket)
+        inline = bucket in self.graph_attention
+        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=inline)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
         self._land(batch, bucket)
@@ -311,7 +327,7 @@ class PrefillGraphRunner:
             out = self._output[:bucket]
             graph, _ = capture_segments(
                 lambda: out.copy_(forward(inputs=views, payload=batch.payload)), pool=self._pool, stream=stream,
-                scrub=self._padded.scrub(bucket),
+                scrub=self._padded.scrub(bucket), inline_breaks=inline,
             )
         return graph
 
@@ -407,6 +423,7 @@ class PrefillGraphRunner:
 
     def close(self) -> None:
         """Drop graphs, then the buffers they point at, then the pool (pitfall 10)."""
+        self.graph_attention = frozenset()
         for graph in self._graphs.values():
             graph.release()
         self._graphs.clear()
@@ -416,3 +433,16 @@ class PrefillGraphRunner:
         if self._pool is not None:
             self._pool.release()
         self._pool = None
+
+
+def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[int]) -> str:
+    """Where each bucket's attention runs, as the capture summary and ``bcg doctor`` print it."""
+
+    def sizes(group: list[int]) -> str:
+        if not group:
+            return "none"
+        return f"{group[0]}..{group[-1]} ({len(group)} buckets)" if len(group) > 1 else f"{group[0]} (1 bucket)"
+
+    inside = [b for b in buckets if b in graph_attention]
+    broken = [b for b in buckets if b not in graph_attention]
+    return f"attention inside the graph: {sizes(inside)}; eager break: {sizes(broken)}"

@@ -37,6 +37,7 @@ class RuntimeStats:
     # shape's 56 buckets x 29 segments on an H200).
     graph_bytes: int = 0
     pool_bytes: int = 0  # the part of graph_bytes in the graphs' memory pool
+    graph_attention_buckets: list[int] = dataclasses.field(default_factory=list)  # attention captured inline
 
     def record_replay(self, bucket: int, num_tokens: int) -> None:
         self.replays_by_bucket[bucket] += 1
@@ -55,7 +56,8 @@ class RuntimeStats:
         return (
             f"replays={sum(self.replays_by_bucket.values())} "
             f"fallbacks={dict(self.fallbacks) or 0} padding_waste={self.padding_waste:.1%} "
-            f"buckets={self.buckets_captured} capture={self.capture_seconds:.2f}s "
+            f"buckets={self.buckets_captured} graph_attention={len(self.graph_attention_buckets)} "
+            f"capture={self.capture_seconds:.2f}s "
             f"(warmup={self.warmup_seconds:.2f}s) "
             f"graph_mem={self.graph_bytes / 2**30:.3f}GiB (pool {self.pool_bytes / 2**30:.3f}GiB)"
         )

@@ -2,7 +2,7 @@
 # The GPU suites, on a machine with a CUDA device and the host engine importable (CI has no GPU, so
 # these run by hand; GIT_COMMIT names the commit where the tree has no git). Each suite's output goes to LOGDIR/<suite>.log, headed by what ran where.
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
-#   suites: core, vllm, vllm-compile, vllm-step-limit, sglang, metrics
+#   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, metrics
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
@@ -12,12 +12,13 @@ rc=0
 for suite in "$@"; do
     case "$suite" in
         core)            args=(tests/gpu/test_runtime_gpu.py -m gpu) ;;
-        vllm)            args=(tests/gpu/test_vllm_gpu.py -m gpu -k "not compile") ;;
+        vllm)            args=(tests/gpu/test_vllm_gpu.py -m gpu -k "not compile and not graph") ;;
+        vllm-graph)      args=(tests/gpu/test_vllm_gpu.py -m gpu -k "graph") ;;
         vllm-compile)    args=(tests/gpu/test_vllm_gpu.py -m gpu -k compile) ;;
         vllm-step-limit) args=(tests/gpu/test_vllm_step_limit_gpu.py -m gpu) ;;
         sglang)          args=(tests/gpu/test_sglang_gpu.py -m gpu) ;;
         metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;
-        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-compile, vllm-step-limit, sglang, metrics)" >&2; exit 2 ;;
+        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, metrics)" >&2; exit 2 ;;
     esac
     log="$logdir/$suite.log"
     {

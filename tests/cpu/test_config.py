@@ -31,6 +31,8 @@ def test_valid_config_round_trip():
         ({"max_padding_ratio": 0.5}, "max_padding_ratio"),
         ({"capture_failure": "ignore"}, "capture_failure"),
         ({"warmup": "never"}, "warmup"),
+        ({"attention": "inline"}, "attention"),
+        ({"attention": True}, "attention"),
         ({"max_token": 16}, "max_token"),
     ],
 )
@@ -68,3 +70,9 @@ def test_chunk_size_resolution_and_zero_disables():
     assert BcgConfig(enable=True).with_chunk_size(8192).max_tokens == 8192
     assert BcgConfig(enable=True, max_tokens=16384).with_chunk_size(8192).max_tokens == 8192
     assert not BcgConfig(enable=True, max_tokens=0).active
+
+
+def test_attention_is_auto_unless_chosen():
+    assert BcgConfig.from_mapping({}).attention == "auto"
+    assert BcgConfig.from_env({"BCG_ATTENTION": "break"}).attention == "break"
+    assert BcgConfig.from_mapping({"attention": "graph"}).attention == "graph"

@@ -38,6 +38,18 @@ def test_enabled_config_says_what_the_plugin_will_do():
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("choice, says", [
+    ("auto", "inside the graph in buckets up to the smaller of vLLM's max_cudagraph_capture_size and 1024 tokens"),
+    ("graph", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size,"),
+    ("break", "an eager break in every bucket"),
+])
+def test_doctor_says_where_attention_runs_for_the_configured_choice(choice, says):
+    pytest.importorskip("vllm")
+    rc, text = _run(f'{{"enable": true, "attention": "{choice}"}}', engines=["vllm"])
+    assert rc == 0 and f'-> attention ("{choice}"): {says}' in text, text
+
+
+@pytest.mark.vllm
 def test_invalid_config_fails_and_names_the_key():
     pytest.importorskip("vllm")
     rc, text = _run('{"max_tokens": -1}', engines=["vllm"])

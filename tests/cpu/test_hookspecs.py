@@ -3,12 +3,12 @@ import inspect
 import pluggy
 import pytest
 
-from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
+from bcg_plugin import BcgConfig, BcgStateError, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
 from bcg_plugin.hookspecs import BcgHostSpec, PROJECT_NAME
 
 EXPECTED_HOOKS = {
     "bcg_prefill_buckets", "bcg_static_inputs", "bcg_dummy_batch", "bcg_body_forward", "bcg_embed",
-    "bcg_logits_tail", "bcg_world_group", "bcg_capture_stream",
+    "bcg_logits_tail", "bcg_world_group", "bcg_capture_stream", "bcg_graph_attention",
 }
 
 
@@ -75,3 +75,41 @@ def test_bucket_for_counts_fallback_reasons():
     assert runner.stats.fallbacks == {
         Fallback.PADDING_RATIO.value: 1, Fallback.OVER_TOP_BUCKET.value: 1, Fallback.DP_DISAGREEMENT.value: 1,
     }
+
+
+class _GraphAttention:
+    def __init__(self, answer):
+        self.answer, self.asked = answer, []
+
+    @hookimpl
+    def bcg_graph_attention(self, buckets, attention):
+        self.asked.append(attention)
+        return self.answer
+
+
+@pytest.mark.parametrize("attention", ["auto", "graph", "break"])
+def test_the_attention_plan_is_the_hosts_answer_unless_the_config_says_break(attention):
+    host = _GraphAttention([16, 32])
+    runner = PrefillGraphRunner(plugin_manager(host), BcgConfig(enable=True, sizes=(16, 32, 64), attention=attention),
+                                chunk_size=64, device="cpu")
+    plan = runner._plan_attention()
+    assert plan == (frozenset() if attention == "break" else {16, 32})
+    assert host.asked == ([] if attention == "break" else [attention])
+
+
+def test_an_attention_plan_naming_no_bucket_of_the_runner_is_refused():
+    runner = PrefillGraphRunner(plugin_manager(_GraphAttention([16, 48])), BcgConfig(enable=True, sizes=(16, 32, 64)),
+                                chunk_size=64, device="cpu")
+    with pytest.raises(BcgStateError, match=r"bcg_graph_attention returned \[48\]"):
+        runner._plan_attention()
+
+
+def test_a_host_without_graph_attention_breaks_everywhere_and_the_summary_says_where_attention_runs():
+    from bcg_plugin.runner import attention_summary
+
+    runner = PrefillGraphRunner(plugin_manager(_Buckets()), BcgConfig(enable=True, attention="graph"),
+                                chunk_size=64, device="cpu")
+    assert runner._plan_attention() == frozenset()
+    assert attention_summary([16, 32, 64], {16, 32}) == (
+        "attention inside the graph: 16..32 (2 buckets); eager break: 64 (1 bucket)")
+    assert attention_summary([16, 32], set()) == "attention inside the graph: none; eager break: 16..32 (2 buckets)"

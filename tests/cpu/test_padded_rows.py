@@ -141,3 +141,38 @@ def test_a_replay_calls_the_break_itself_unless_rows_below_the_graphs_scrub_are_
     with live.bound(live.LiveBatch(5, 64, graph_scrub_start=48)):
         segmented.replay()  # the wrong walk for this batch: rows below the scrub keep their garbage
     assert out[5:48].isnan().all()
+
+
+def test_a_capturable_break_is_recorded_inline_only_in_buckets_that_ask_for_it(fake_capture, recorded_ops):
+    """Graph-resident attention: the break's kernel runs under the capture (so it is recorded into the
+    segment), leaves no eager step, and the scrub still follows it; without the bucket asking, it breaks."""
+    from bcg_plugin.breaks import _capture_inline
+
+    @eager_break(outputs=("out",), capturable=True)
+    def attention(x, out):
+        out.copy_(x)
+
+    rows = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({16, 32}))
+    x, out = torch.ones(32, 2), torch.zeros(32, 2)
+    for inline, steps in ((True, 0), (False, 1)):
+        tokens = (_capture_scrub.set(rows.scrub(32)), _capture_inline.set(inline))
+        try:
+            with fake_capture() as capture, live.bound(live.LiveBatch(32, 32)), recorded_ops() as ops:
+                attention(x, out)
+        finally:
+            _capture_inline.reset(tokens[1])
+            _capture_scrub.reset(tokens[0])
+        assert len(capture.recorded) == steps
+        kernels = [name for name in ops.names if name not in ("slice", "view")]
+        assert kernels == ["copy_", "masked_fill_"]  # inline: both captured; else the break at capture, the scrub
+
+
+def test_a_bucket_with_attention_in_the_graph_scrubs_all_its_rows_with_flags_of_its_own():
+    rows = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({16, 32}))
+    assert [rows.start(b) for b in BUCKETS] == [0, 0, 32, 48]  # no eager break is left to zero rows below
+    rows.flag(32, 5)
+    rows.flag(48, 40)
+    out = torch.full((32, 3), float("nan"))
+    rows.scrub(32).apply(out, "output")
+    assert out[5:].eq(0).all() and out[:5].isnan().all()
+    assert rows._padded[32:48].tolist() == [False] * 8 + [True] * 8  # the tiled flags untouched by bucket 32

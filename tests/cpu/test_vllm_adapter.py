@@ -320,6 +320,9 @@ class FakeGraphs:
     def bucket_for(self, n):
         return next((b for b in self.buckets if b >= n), None)
 
+    def graph_requests(self, bucket):
+        return None  # attention breaks in every bucket
+
 
 def _v2_dispatch_descriptors():
     from bcg_plugin.patches.vllm import v2_cudagraph_manager_dispatch as mod
@@ -366,6 +369,43 @@ def test_v2_dispatch_pads_eager_batches_to_a_bucket_and_keeps_full_decode(patch)
         desc = call(manager, 3, 37, None, num_ubatches=2)  # microbatched: vLLM's answer stands
         assert (desc.cg_mode, desc.num_tokens, desc.num_ubatches) == (CUDAGraphMode.NONE, 37, 2)
         assert call(manager, 3, 37, None, num_ubatches=1).cg_mode == CUDAGraphMode.PIECEWISE
+
+
+@pytest.mark.parametrize("patch", _v2_dispatch_descriptors(), ids=lambda p: p.hosts)
+def test_v2_dispatch_gives_graph_attention_buckets_a_full_descriptor_padded_to_their_requests(patch):
+    """vLLM builds FULL-mode metadata (into its persistent buffers, padded to ``num_reqs``) only for a
+    FULL descriptor: a bucket whose attention is inside bcg's graph must get one, the others PIECEWISE."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
+
+    class GraphAttention(FakeGraphs):
+        def graph_requests(self, bucket):
+            return {16: 16, 32: 24}.get(bucket)  # attention inside the graph up to 32 tokens
+
+    dispatch = patch.make(lambda self, num_reqs, num_tokens, *rest: Desc(CUDAGraphMode.NONE, num_tokens, num_reqs))
+    manager = types.SimpleNamespace(_bcg_graphs=GraphAttention())
+    small = dispatch(manager, 3, 20, None, num_active_loras=0)
+    assert (small.cg_mode, small.num_tokens, small.num_reqs) == (CUDAGraphMode.FULL, 32, 24)
+    large = dispatch(manager, 3, 40, None, num_active_loras=0)
+    assert (large.cg_mode, large.num_tokens, large.num_reqs) == (CUDAGraphMode.PIECEWISE, 48, None)
+
+
+def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_vllm():
+    from bcg_plugin.patches.vllm import v2_model_cudagraph_manager_run_fullgraph as mod
+
+    own, bcg = object(), []
+
+    class Graphs:
+        def forward_full(self, bucket):
+            bcg.append(bucket)
+            return "bcg hidden"
+
+    run = mod.PATCH.make(lambda self, desc: "vllm hidden")
+    manager = types.SimpleNamespace(graphs={own: None}, _bcg_graphs=Graphs())
+    desc = type("Desc", (), {"num_tokens": 32})()
+    assert run(manager, own) == "vllm hidden"  # a FULL decode graph vLLM captured itself
+    assert run(manager, desc) == "bcg hidden" and bcg == [32]
+    assert run(types.SimpleNamespace(graphs={}), desc) == "vllm hidden"  # bcg not running in this runner
 
 
 def test_v1_dispatch_answers_the_dp_redispatch_without_tripping_vllms_assert():
@@ -697,7 +737,7 @@ class _Host:
     def __new__(cls, model, vllm_config):
         from bcg_plugin.adapters.vllm.host import VllmHost
 
-        host = type("CpuHost", (VllmHost,), {"capture_context": lambda self, n: ("ctx", n)})(
+        host = type("CpuHost", (VllmHost,), {"capture_context": lambda self, n, graph_attention=False: ("ctx", n)})(
             model, vllm_config, torch.device("cpu"))
         return host
 
@@ -711,7 +751,7 @@ def test_graphs_start_from_token_ids_unless_the_host_feeds_embeddings(vllm_model
     monkeypatch.setattr(config.model_config, "enable_prompt_embeds", prompt_embeds)  # the model config is shared
     host = _Host(_TextModel(), config)
     statics = host.bcg_static_inputs()
-    batch = host.bcg_dummy_batch(num_tokens=4)
+    batch = host.bcg_dummy_batch(num_tokens=4, graph_attention=False)
     pm = plugin_manager(*host.plugins())
     embedders = [p for p in pm.get_plugins() if isinstance(p, EagerEmbedding)]
     if not prompt_embeds:
@@ -990,3 +1030,73 @@ def test_only_graphs_that_serve_an_engine_answer_the_stats_rpc(vllm_model_config
     serving = graphs.VllmPrefillGraphs(host, config)
     measuring = graphs.VllmPrefillGraphs(host, config, reports=False)
     assert serving in graphs.INSTANCES and measuring not in graphs.INSTANCES
+
+
+def _v2_host(vllm_config, support, embeds_in_graph=True):
+    """A V2 host as far as the attention plan reads it: one attention group whose builder reports ``support``."""
+    from bcg_plugin.adapters.vllm.host import V2Host
+
+    builder = types.SimpleNamespace(get_cudagraph_support=lambda config, spec: support)
+    group = types.SimpleNamespace(get_metadata_builder=lambda i=0: builder, kv_cache_spec=None,
+                                  backend=types.SimpleNamespace(get_name=lambda: "SOME_ATTN"))
+    host = object.__new__(V2Host)
+    host.vllm_config, host.attn_groups, host.embeds_in_graph = vllm_config, [[group]], embeds_in_graph
+    return host
+
+
+def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vllm_model_config):
+    """The plan follows vLLM's own FULL-graph rules: a backend graphing any batch mix, FULL graphs in
+    cudagraph_mode, buckets up to max_cudagraph_capture_size; "auto" also stops at the crossover."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
+
+    from bcg_plugin.adapters.vllm.host import AUTO_GRAPH_ATTENTION_MAX_TOKENS as auto_max, accepts
+
+    config = make_config(vllm_model_config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    config.compilation_config.max_cudagraph_capture_size = 2048
+    buckets = [16, 512, 1024, 1536, 2048, 4096]
+    host = _v2_host(config, AttentionCGSupport.ALWAYS)
+    if not accepts(prepare_inputs_to_capture, "max_query_len"):  # 0.26 / 0.27: every bucket breaks
+        assert host.bcg_graph_attention(buckets, "graph") is None
+        return
+    assert host.bcg_graph_attention(buckets, "graph") == [16, 512, 1024, 1536, 2048]
+    assert host.bcg_graph_attention(buckets, "auto") == [b for b in buckets if b <= auto_max]
+    assert _v2_host(config, AttentionCGSupport.UNIFORM_BATCH).bcg_graph_attention(buckets, "graph") is None
+    assert _v2_host(config, AttentionCGSupport.ALWAYS, embeds_in_graph=False).bcg_graph_attention(
+        buckets, "graph") is None
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    assert host.bcg_graph_attention(buckets, "graph") is None
+
+
+def test_a_graph_attention_bucket_is_captured_with_vllms_full_metadata_for_its_padded_requests(
+        vllm_model_config, monkeypatch):
+    """Attention captured inside the graph reads what vLLM's FULL path lands at every step: the capture
+    must build that metadata (FULL kind, the bucket's request count, the bucket's query length)."""
+    import vllm.v1.worker.gpu.cudagraph_utils as cg
+
+    from bcg_plugin.adapters.vllm import host as host_mod
+    from bcg_plugin.adapters.vllm.host import V2Host, accepts
+
+    if not accepts(cg.prepare_inputs_to_capture, "max_query_len"):
+        pytest.skip("this vLLM builds no FULL capture metadata bcg uses")
+    calls = []
+
+    def prepare(num_reqs, num_tokens, model_state, input_buffers, block_tables, attn_groups, kv_cache_config,
+                full_cudagraph, max_query_len=None):  # the signature the release's descriptors verify
+        calls.append((num_reqs, num_tokens, full_cudagraph, max_query_len))
+        return {}, {}
+
+    monkeypatch.setattr(cg, "prepare_inputs_to_capture", prepare)
+    monkeypatch.setattr(host_mod, "_forward_context", lambda *args: "ctx")
+    config = make_config(vllm_model_config)
+    host = object.__new__(V2Host)
+    host.vllm_config = config
+    host.model_state = host.block_tables = host.attn_groups = host.kv_cache_config = None
+    host.input_buffers = types.SimpleNamespace(is_padding=torch.zeros(4096, dtype=torch.bool))
+    max_seqs = config.scheduler_config.max_num_seqs
+    host.capture_context(2048, graph_attention=True)
+    host.capture_context(16, graph_attention=True)
+    host.capture_context(2048)
+    assert calls == [(min(2048, max_seqs), 2048, True, 2048), (16, 16, True, 16), (1, 2048, False, None)]

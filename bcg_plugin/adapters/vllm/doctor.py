@@ -27,7 +27,8 @@ def diagnose() -> AdapterReport:
                            check_config=check_config,
                            replay_scope=f"where the engine's model, parallel layout and attention backend "
                                         f"({', '.join(SUPPORTED_BACKENDS)}) are supported; otherwise one warning "
-                                        "at start and vLLM runs unchanged")
+                                        "at start and vLLM runs unchanged",
+                           attention_scope=attention_scope)
     if not report.installed:
         return report
     problem = version.problem()
@@ -42,6 +43,20 @@ def diagnose() -> AdapterReport:
     report.notes.append(prefill_runtime(os.environ, bcg_ready=not report.problems,
                                         listed=breakable_architectures()))
     return report
+
+
+def attention_scope(config: BcgConfig) -> str:
+    """Where each bucket's attention runs under ``config`` (:meth:`~bcg_plugin.adapters.vllm.host.V2Host.bcg_graph_attention`)."""
+    from bcg_plugin.adapters.vllm.host import AUTO_GRAPH_ATTENTION_MAX_TOKENS
+
+    if config.attention == "break":
+        return "an eager break in every bucket"
+    bound = "vLLM's max_cudagraph_capture_size"
+    if config.attention == "auto":
+        bound = f"the smaller of {bound} and {AUTO_GRAPH_ATTENTION_MAX_TOKENS} tokens"
+    return (f"inside the graph in buckets up to {bound}, where the V2 model runner serves a text-only model "
+            f"with FLASH_ATTN (FA3) or TRITON_ATTN; an eager break in the others (the V1 runner, other "
+            "backends, larger buckets); the capture logs its choice by bucket range")
 
 
 # What serves prefill when bcg does not (vLLM's own runtimes, by its launch flags).

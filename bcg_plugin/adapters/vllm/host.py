@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream, hookimpl
+from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream, faults, hookimpl
 from bcg_plugin.adapters.vllm.config import sequence_parallel_multiple
 from bcg_plugin.ladder import resolve_buckets
 
@@ -48,6 +48,7 @@ class VllmHost:
         self.dtype = vllm_config.model_config.dtype
         self.stream: torch.cuda.Stream | None = None
         self.capture_contexts: dict[int, Any] = {}
+        self.capture_metadata: dict[int, dict[str, torch.Tensor]] = {}  # kept only for fault plugins
         self.persistent_inputs: dict[str, torch.Tensor] = {}
 
     @property
@@ -61,9 +62,18 @@ class VllmHost:
 
     # -- capture ---------------------------------------------------------------------------------
 
-    def capture_context(self, num_tokens: int) -> Any:
-        """A vLLM ForwardContext for a dummy prefill of ``num_tokens`` (KV writes skipped: slots -1)."""
+    def capture_context(self, num_tokens: int, graph_attention: bool = False) -> Any:
+        """A vLLM ForwardContext for a dummy prefill of ``num_tokens`` (KV writes skipped: slots -1);
+        ``graph_attention``: its metadata in vLLM's FULL-mode buffers (:class:`V2Host` only)."""
         raise NotImplementedError
+
+    def graph_requests(self, bucket: int) -> int:
+        """Requests a step of ``bucket`` is padded to when its attention is inside the graph."""
+        raise NotImplementedError
+
+    def graph_metadata_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent metadata buffers a graph-attention replay reads, by name (for fault plugins)."""
+        return {}
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -112,9 +122,11 @@ class VllmHost:
         return buf if buf is not None and not StaticInput((), dtype).buffer_problems(buf, self.device) else None
 
     @hookimpl
-    def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
-        context = self.capture_context(num_tokens)
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool) -> HostBatch:
+        context = self.capture_context(num_tokens, graph_attention)
         self.capture_contexts[num_tokens] = context
+        if graph_attention and faults.active():
+            self.capture_metadata[num_tokens] = {k: v.clone() for k, v in self.graph_metadata_buffers().items()}
         ids = torch.zeros(num_tokens, dtype=torch.int32, device=self.device)
         first = ids if self.embeds_in_graph else self.model.embed_input_ids(ids)
         return HostBatch(
@@ -193,21 +205,81 @@ class V2Host(VllmHost):
         self.kv_cache_config = kv_cache_config
         self.persistent_inputs = {"input_ids": input_buffers.input_ids, "positions": input_buffers.positions}
 
-    def capture_context(self, num_tokens: int) -> Any:
+    def capture_context(self, num_tokens: int, graph_attention: bool = False) -> Any:
         from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
-        # bs=1 prefill of num_tokens; the whole slot-mapping buffer is -1, so no KV is written. From
-        # 0.27 the metadata kind is a required argument: piecewise (not FULL-graph capturable) metadata,
-        # as the step's own; later optional arguments keep their defaults (no query-length bound, no
-        # prefill context parallelism, which bcg declines).
-        extra = {"full_cudagraph": False} if accepts(prepare_inputs_to_capture, "full_cudagraph") else {}
+        # Where attention breaks: a bs=1 prefill of num_tokens, with piecewise metadata as the step's
+        # own. Inside the graph: FULL-mode metadata for the bucket's padded request count, built into
+        # the persistent buffers vLLM lands every FULL step's metadata in, exactly as vLLM's own FULL
+        # capture builds it. Either way the whole slot-mapping buffer is -1, so no KV is written. From
+        # 0.27 the metadata kind is a required argument; later optional arguments keep their defaults
+        # (no prefill context parallelism, which bcg declines).
+        requests = self.graph_requests(num_tokens) if graph_attention else 1
+        extra = {"full_cudagraph": graph_attention} if accepts(prepare_inputs_to_capture, "full_cudagraph") else {}
+        if graph_attention:  # a replay may hold one request of the whole bucket: the grid covers it
+            extra["max_query_len"] = num_tokens
         attn_metadata, slot_mappings = prepare_inputs_to_capture(
-            1, num_tokens, self.model_state, self.input_buffers, self.block_tables, self.attn_groups,
+            requests, num_tokens, self.model_state, self.input_buffers, self.block_tables, self.attn_groups,
             self.kv_cache_config, **extra,
         )
         self.input_buffers.is_padding.fill_(True)
         return _forward_context(self.vllm_config, attn_metadata, slot_mappings, num_tokens,
                                 self.input_buffers.is_padding[:num_tokens])
+
+
+    def graph_requests(self, bucket: int) -> int:
+        # vLLM's own FULL graphs of mixed batches: one request per token, up to max_num_seqs.
+        return min(bucket, self.vllm_config.scheduler_config.max_num_seqs)
+
+    def graph_metadata_buffers(self) -> dict[str, torch.Tensor]:
+        return {"seq_lens": self.input_buffers.seq_lens}
+
+    @hookimpl
+    def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
+        reason = graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph)
+        if reason is not None:
+            return None
+        limit = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        if attention == "auto":
+            limit = min(limit, AUTO_GRAPH_ATTENTION_MAX_TOKENS)
+        return [b for b in buckets if b <= limit]
+
+
+# ``attention: "auto"`` keeps attention inside the graph up to this many tokens. Past it the eager call,
+# launched for the live batch, wins: vLLM's FULL metadata gives the captured kernel the bucket's
+# worst-case grid (every request as long as the bucket, keys up to max_model_len), which costs more
+# than breaking saves once the forward is GPU-bound (docs/benchmarks.md, the bcg_graph and bcg_break
+# modes).
+AUTO_GRAPH_ATTENTION_MAX_TOKENS = 1024
+
+
+def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph: bool) -> str | None:
+    """Why no bucket of this V2 runner can keep attention inside the graph, or ``None`` if they can up
+    to ``max_cudagraph_capture_size``.
+
+    vLLM lands a FULL step's metadata in persistent buffers only where every attention group's
+    builder supports FULL graphs of any batch mix (FA3, TRITON_ATTN) and ``cudagraph_mode`` has FULL
+    graphs (the FA3 scheduler metadata is kept in a persistent buffer only then, and its split bound
+    and size only reach ``max_cudagraph_capture_size``). A FULL step passes no model inputs, so the
+    graph must start from the token ids (no inputs_embeds).
+    """
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
+
+    if not accepts(prepare_inputs_to_capture, "max_query_len"):  # 0.28+
+        return "this vLLM release cannot bound a FULL capture's query length by the bucket"
+    if not embeds_in_graph:
+        return "the model takes inputs_embeds, which a FULL step does not pass"
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return f"cudagraph_mode {getattr(mode, 'name', mode)} has no FULL graphs"
+    for groups in attn_groups:
+        for group in groups:
+            builder = group.get_metadata_builder(0) if hasattr(group, "get_metadata_builder") else None
+            support = None if builder is None else builder.get_cudagraph_support(vllm_config, group.kv_cache_spec)
+            if support != AttentionCGSupport.ALWAYS:
+                return f"attention backend {group.backend.get_name()} has no FULL graphs of mixed batches"
+    return None
 
 
 class V1Host(VllmHost):
@@ -235,7 +307,7 @@ class V1Host(VllmHost):
             if isinstance(buf, torch.Tensor):
                 self.persistent_inputs[name] = buf
 
-    def capture_context(self, num_tokens: int) -> Any:
+    def capture_context(self, num_tokens: int, graph_attention: bool = False) -> Any:
         from vllm.config.compilation import CUDAGraphMode
 
         probe = _ContextProbe(num_tokens, self.hidden_size, self.dtype, self.device)

@@ -57,5 +57,6 @@ def stats_dict(stats) -> dict:
         "capture_seconds": stats.capture_seconds,
         "warmup_seconds": stats.warmup_seconds,
         "graph_bytes": stats.graph_bytes,
+        "graph_attention_buckets": list(stats.graph_attention_buckets),
         "summary": stats.summary(),
     }

@@ -76,6 +76,8 @@ class VllmPrefillGraphs:
             chunk_size=step_token_limit(vllm_config, log=self._reports), device=host.device,
         )
         self._buckets = frozenset()
+        self._graph_requests: dict[int, int] = {}
+        self._dispatched = 0
         self._slot_mapping_probe: tuple[tuple[str, int], ...] = ()
         self.reporter = stats_reporter(self.runner.stats, reports=self._reports)
         if self._reports and METRICS_ENV not in os.environ:
@@ -109,9 +111,11 @@ class VllmPrefillGraphs:
                 warn_declined(self.host.vllm_config, "the prefill graph capture failed")
             return
         self._buckets = frozenset(self.runner.buckets)
+        self._graph_requests = {b: self.host.graph_requests(b) for b in self.runner.graph_attention}
         self._slot_mapping_probe = slot_mapping_probe(self.host.capture_contexts[self.runner.buckets[-1]])
         if not faults.active():  # a fault plugin may have replays read them (bcg_plugin.faults)
             self.host.capture_contexts.clear()
+            self.host.capture_metadata.clear()
 
     @torch.inference_mode()
     def estimate(self) -> int:
@@ -126,7 +130,26 @@ class VllmPrefillGraphs:
         """The padded size vLLM should run ``num_tokens`` at, or ``None`` (eager; reason counted)."""
         bucket = self.runner.bucket_for(num_tokens)
         self.reporter.tick()
+        self._dispatched = num_tokens
         return bucket
+
+    def graph_requests(self, bucket: int) -> int | None:
+        """The request count vLLM pads a step to for ``bucket``, whose attention is captured inside
+        the graph (its FULL-mode metadata is built for that many); ``None`` where attention breaks."""
+        return self._graph_requests.get(bucket)
+
+    def forward_full(self, bucket: int) -> Any:
+        """Replay ``bucket``, whose attention is inside the graph, for the step vLLM just landed in its
+        persistent buffers (V2 ``run_fullgraph``: no forward context is set, none is read).
+
+        The step's real token count is the one vLLM last dispatched (the DP-synced count under data
+        parallelism: the rows past this rank's batch then replay as vLLM's own FULL graphs run them).
+        """
+        num_tokens = min(max(self._dispatched, 1), bucket)
+        inputs = {name: buf[:bucket] for name, buf in self.host.persistent_inputs.items()}
+        faults.graph_metadata("vllm", bucket, live=self.host.graph_metadata_buffers(),
+                              earlier=self.host.capture_metadata.get(bucket, {}))
+        return self.runner.replay(bucket, HostBatch(num_tokens=num_tokens, inputs=inputs))
 
     def forward(self, model: Any, model_inputs: dict[str, Any], *, dummy: bool = False) -> Any:
         """Run one PIECEWISE-dispatched forward: replay its bucket, or eager if it cannot.
@@ -177,7 +200,9 @@ class VllmPrefillGraphs:
     def close(self) -> None:
         self.runner.close()
         self.host.capture_contexts.clear()
+        self.host.capture_metadata.clear()
         self._buckets = frozenset()
+        self._graph_requests = {}
 
 
 def slot_mapping_probe(context: Any) -> tuple[tuple[str, int], ...]:

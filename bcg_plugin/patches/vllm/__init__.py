@@ -23,6 +23,7 @@ from bcg_plugin.patches.vllm import (
     v2_cudagraph_manager_needs_capture,
     v2_cudagraph_manager_run_pw_graph,
     v2_model_cudagraph_manager_capture,
+    v2_model_cudagraph_manager_run_fullgraph,
     vllm_config_post_init,
     worker_wrapper_init_device,
 )
@@ -48,6 +49,7 @@ RUNNER = PatchSet("runner", descriptors(
     v2_cudagraph_manager_needs_capture,
     v2_model_cudagraph_manager_capture,
     v2_cudagraph_manager_run_pw_graph,
+    v2_model_cudagraph_manager_run_fullgraph,
     v1_cudagraph_dispatcher_dispatch,
     v1_gpu_model_runner_profile_cudagraph_memory,
     v1_gpu_model_runner_capture_model,

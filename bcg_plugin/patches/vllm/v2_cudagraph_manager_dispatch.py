@@ -1,8 +1,13 @@
 """V2 ``CudaGraphManager.dispatch``: send batches vLLM would run eagerly to a bcg bucket.
 
-vLLM's own answer wins first (FULL decode graphs). Otherwise a PIECEWISE descriptor of the bucket
-size, without request padding; vLLM's DP synchronisation calls this same method with the synced
-token count, so every rank gets the same bucket. Bucket sizes are fixed points (bucket(b) == b).
+vLLM's own answer wins first (FULL decode graphs). Otherwise a descriptor of the bucket size:
+PIECEWISE without request padding where attention breaks, so vLLM builds the step's metadata for
+the live batch and bcg's forward runs inside its forward context; FULL with the bucket's request
+count where bcg captured attention inside the graph, so vLLM lands the step's metadata into its
+persistent FULL-mode buffers, padded to that count, as for its own FULL graphs, and hands the
+replay to ``ModelCudaGraphManager.run_fullgraph``. vLLM's DP synchronisation calls this same method
+with the synced token count, so every rank gets the same bucket and mode. Bucket sizes are fixed
+points (bucket(b) == b).
 A microbatched dispatch (``num_ubatches > 1``, dual-batch overlap) keeps vLLM's answer: bcg's graphs
 are not split into microbatches.
 
@@ -28,8 +33,9 @@ def _bucketed(self, desc, num_tokens):
         return desc
     from vllm.config.compilation import CUDAGraphMode
 
-    return type(desc)(cg_mode=CUDAGraphMode.PIECEWISE, num_tokens=bucket, num_reqs=None,
-                      num_active_loras=desc.num_active_loras)
+    requests = graphs.graph_requests(bucket)  # None: attention breaks in this bucket
+    mode = CUDAGraphMode.PIECEWISE if requests is None else CUDAGraphMode.FULL
+    return type(desc)(cg_mode=mode, num_tokens=bucket, num_reqs=requests, num_active_loras=desc.num_active_loras)
 
 
 def make(original):
@@ -61,8 +67,10 @@ def make_ubatches(original):
 
 
 TARGET = "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.dispatch"
-REASON = ("V2: batches vLLM would run eagerly get `PIECEWISE` at the bcg bucket (no request padding); "
-          "vLLM's DP sync calls the same method with the synced count")
+REASON = ("V2: batches vLLM would run eagerly get the bcg bucket: `PIECEWISE` (no request padding) where "
+          "attention breaks, `FULL` with the bucket's request count where it is captured inside the graph "
+          "(vLLM then lands the step's metadata in its FULL-mode buffers); vLLM's DP sync calls the same "
+          "method with the synced count")
 REMOVE_WHEN = "vLLM dispatches mixed batches to an external prefill-graph runner"
 
 PATCHES = (

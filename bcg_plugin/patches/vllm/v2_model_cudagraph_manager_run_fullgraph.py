@@ -1,0 +1,35 @@
+"""V2 ``ModelCudaGraphManager.run_fullgraph``: replay a bcg bucket whose attention is inside the graph.
+
+vLLM calls it for a FULL descriptor once it has landed the step's inputs and attention metadata in
+its persistent buffers. The descriptors bcg's dispatch gives out are never among vLLM's own graphs,
+so a descriptor vLLM captured itself (its FULL decode graphs) always goes to the original.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
+
+
+def make(original):
+    @functools.wraps(original)
+    def run_fullgraph(self, desc):
+        graphs = getattr(self, "_bcg_graphs", None)
+        if graphs is None or desc in self.graphs:
+            return original(self, desc)
+        return graphs.forward_full(desc.num_tokens)
+
+    return run_fullgraph
+
+
+PATCH = Patch(
+    target="vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager.run_fullgraph",
+    how=Wrap(params=["self", "desc"]),
+    make=make,
+    reason="V2: a FULL descriptor of a bcg bucket with attention captured inside the graph replays bcg's "
+           "graph, which reads vLLM's persistent input and FULL-mode metadata buffers in place",
+    hosts=">=0.26.0,<0.34",
+    upstream=NOT_FILED,
+    remove_when="vLLM's graph manager takes externally captured graphs for its FULL descriptors",
+)
