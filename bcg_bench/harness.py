@@ -34,7 +34,8 @@ from bcg_bench.report import (
 # vLLM's forward timer wraps the runner in the bench's own process; SGLang's is a patch in every scheduler.
 ENGINES = {
     "vllm": {"module": "bcg_bench.vllm_mode", "package": "vllm", "profiles_workers": False,
-             "modes": ["eager", "native", "native_ladder", "compile", "full", "bcg", "bcg_compile"]},
+             "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
+                       "bcg_graph", "bcg_compile"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
                "modes": ["disabled", "native", "full", "bcg"]},
 }
