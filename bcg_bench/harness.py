@@ -2,7 +2,9 @@
 
 Each engine's per-mode script (:mod:`bcg_bench.vllm_mode`, :mod:`bcg_bench.sglang_mode`) takes
 ``--mode --model --sizes --out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with
-``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``. This
+``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``; where
+the mode measured them, ``forward_host_ms``, ``weight_bytes``, ``vocab_weight_bytes`` and
+``copy_bandwidth_gbs`` (read by :func:`weight_floor` and :func:`break_cost`). This
 module runs the modes back to back, stamps the run (engine version, model shape, parallel layout,
 GPU, date) and writes
 ``<engine>-<model>[-tpN][-dpN]-<UTC date and time>.{json,md,png}``.
@@ -34,7 +36,8 @@ from bcg_bench.report import (
 # vLLM's forward timer wraps the runner in the bench's own process; SGLang's is a patch in every scheduler.
 ENGINES = {
     "vllm": {"module": "bcg_bench.vllm_mode", "package": "vllm", "profiles_workers": False,
-             "modes": ["eager", "native", "native_ladder", "compile", "full", "bcg", "bcg_compile"]},
+             "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
+                       "bcg_graph", "bcg_compile"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
                "modes": ["disabled", "native", "full", "bcg"]},
 }
@@ -311,6 +314,8 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
             cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + _footprint(good)
+    lines += _break_cost_section(break_cost(good, result["model"].get("num_hidden_layers"), sizes))
+    lines += _weight_floor_section(good, sizes)
     lines += [f"![{name}]({name})" for name in images]
     failed = {m: d for m, d in modes.items() if "error" in d}
     if failed:
@@ -338,6 +343,58 @@ def _footprint(good: dict) -> list[str]:
         lines.append(f"| {m} | {_fmt(d['device_used_gib'], 3)} | {_fmt(d['kv_cache_gib'], 3)} | "
                      f"{_fmt(beyond[m], 3)} | {_fmt(ratio, 3)} |")
     return lines + [""]
+
+
+def break_cost(good: dict, layers: int | None, sizes: list[str]) -> dict[str, float]:
+    """Per N, the host time one attention break costs (ms): ``bcg_break``'s host time issuing the
+    forward less ``bcg_graph``'s, over the model's layers (one attention break each); empty unless
+    both modes measured it."""
+    brk, inline = ((good.get(m) or {}).get("forward_host_ms") or {} for m in ("bcg_break", "bcg_graph"))
+    if not layers:
+        return {}
+    return {n: (brk[n] - inline[n]) / layers for n in sizes if n in brk and n in inline}
+
+
+def _break_cost_section(per_break: dict[str, float]) -> list[str]:
+    if not per_break:
+        return []
+    return ["## Host time per attention break", "",
+            "The host time issuing the forward in `bcg_break` less `bcg_graph`'s, over the model's layers: what "
+            "each eager attention step costs the host where the bucket could keep attention inside the graph "
+            "(near 0 where `bcg_graph` breaks too).", "",
+            *_table(list(per_break), {"µs per break": {n: v * 1e3 for n, v in per_break.items()}}, 1), ""]
+
+
+FLOOR_MAX_TOKENS = 128  # the sizes whose forward the weight reads bound (a dense model's target)
+
+
+def weight_floor(data: dict) -> float | None:
+    """The mode's weight-read floor in ms: the weights a forward reads (every parameter but the
+    vocabulary tables) at the device-copy rate its process measured; ``None`` unless it measured both."""
+    weights, vocab, rate = (data.get(k) for k in ("weight_bytes", "vocab_weight_bytes", "copy_bandwidth_gbs"))
+    if not weights or not rate:
+        return None
+    return (weights - (vocab or 0)) / (rate * 1e9) * 1e3
+
+
+def _weight_floor_section(good: dict, sizes: list[str]) -> list[str]:
+    floors = {m: f for m, d in good.items() if (f := weight_floor(d)) is not None and d.get("forward_ms")}
+    small = [n for n in sizes if int(n) <= FLOOR_MAX_TOKENS]
+    if not floors or not small:
+        return []
+    lines = ["## Model forward over the weight-read floor", "",
+             "At a few tokens a forward is bound by reading the weights once: the floor is the bytes of every "
+             "weight the forward reads (the embedding and LM head tables left out) at the rate a 1 GiB "
+             "device-to-device copy moved memory (read plus written) in the same process. Target on the 8B "
+             "shape: <= 1.25 at every N <= 128.", "",
+             "| mode | weights read GB | copy GB/s | floor ms |", "|---|---|---|---|"]
+    for m, floor in floors.items():
+        d = good[m]
+        lines.append(f"| {m} | {_fmt((d['weight_bytes'] - (d.get('vocab_weight_bytes') or 0)) / 1e9, 3)} | "
+                     f"{_fmt(d['copy_bandwidth_gbs'], 0)} | {_fmt(floor, 3)} |")
+    columns = {f"{m} forward / floor": {n: _ratio(good[m]["forward_ms"].get(n), f) for n in small}
+               for m, f in floors.items()}
+    return lines + ["", *_table(small, columns, 3), ""]
 
 
 def _processes(result: dict) -> list[tuple[str, int, dict | None]]:

@@ -9,6 +9,8 @@ and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forw
 :mod:`bcg_bench.harness`). Forward times and capture figures come from the bench's timers in the
 schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); so does
 ``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
+A ``bcg`` engine in which some scheduler's capture record shows SGLang's own runner, or bcg's with no
+bucket captured, ends the process with one line before any request: its figures would be SGLang's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def mode_problem(mode: str, installed: str | None) -> str | None:
     except InvalidVersion:
         return None
     return f"mode {mode!r}: SGLang removed it in {gone} (installed: {installed}); run {instead}"
+
+
+def bcg_problem(captures: list[dict]) -> str | None:
+    """Why a ``bcg`` engine's figures would not be bcg's (``captures``: its schedulers' capture
+    records), or ``None``: every scheduler must have built bcg's runner and captured a bucket."""
+    if not captures:
+        return "no scheduler recorded a prefill-graph capture, so bcg's runner never ran"
+    for c in captures:
+        if c.get("bcg_buckets") is None:
+            what = f"SGLang's own prefill runner ({c.get('runner')}) was built"
+        elif c["bcg_buckets"] == 0:
+            what = "bcg's runner captured no bucket"
+        else:
+            continue
+        return (f"on rank {c.get('rank', 0)} {what}, so the figures would be SGLang's without bcg; the "
+                "scheduler log's 'bcg' warning says why")
+    return None
 
 
 def step_tokens(record: dict) -> int:
@@ -85,6 +104,10 @@ def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: 
         enable_dp_attention=dp > 1,
     )
     init_s = time.perf_counter() - t0
+    problem = bcg_problem(_records(record, "capture")) if mode == "bcg" else None
+    if problem is not None:  # the schedulers wrote their capture records before the engine came up
+        engine.shutdown()
+        raise SystemExit(f"bench {mode}: {problem}")
     rng = random.Random(seed)
     params = {"max_new_tokens": 1, "temperature": 0.0}
     prompts = {n: [rng.randrange(100, 150000) for _ in range(n)] for n in sizes}

@@ -13,7 +13,8 @@ They are two SGLang ``HookRegistry`` hooks, installed only in the schedulers of 
   "rank", ...}`` (:mod:`bcg_bench.profile`).
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
-  every prefill backend, plus bcg's pool and graph sizes when bcg's runner was built.
+  every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
+  bcg's runner was built.
 
 How they reach the schedulers: SGLang starts each scheduler (and, under DP attention, the DP
 controller that starts them) with multiprocessing *spawn*, calling ``Engine.run_scheduler_process_func``,
@@ -104,10 +105,13 @@ def after_capture_prefill_graph(result, *args, **kwargs):
     path = record_path()
     if not path:
         return None
+    import torch
+
     runner = getattr(result, "runner", None)
     core = getattr(runner, "core", None)
     append_record(path, {
         "kind": "capture",
+        "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
         "runner": type(runner).__name__,
         "memory_gib": float(getattr(result, "memory_usage_gb", 0.0) or 0.0),
         "seconds": float(getattr(result, "capture_time", 0.0) or 0.0),
@@ -115,6 +119,8 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "bcg_graph_gib": core.stats.graph_bytes / 2**30 if core is not None else None,
         "bcg_capture_s": core.stats.capture_seconds if core is not None else None,
         "bcg_warmup_s": core.stats.warmup_seconds if core is not None else None,
+        # bcg's runner is built before it captures; one whose capture failed serves eagerly.
+        "bcg_buckets": core.stats.buckets_captured if core is not None else None,
     })
     return None
 

@@ -3,18 +3,22 @@
 Modes: ``eager`` (enforce_eager), ``native`` (vLLM's breakable graphs, default sizes), ``native_ladder``
 (the same with bcg's ladder as ``cudagraph_capture_sizes``), ``compile`` (default -O2: vLLM's piecewise
 graphs over its compiled model), ``full`` (vLLM's FULL graphs, attention inside, at bcg's ladder up
-to the chunk: the mode to beat where the attention backend graphs any batch mix), ``bcg`` (bcg over the
-plain model, ``torch_compile`` false), and ``bcg_compile`` (bcg with ``torch_compile``, the vLLM
+to the chunk: the mode to beat where the attention backend graphs any batch mix), ``full_plain`` (the
+same over the plain model, vLLM's compilation off: what FULL graphs give the model bcg captures),
+``bcg`` (bcg over the plain model, ``torch_compile`` false, attention where the config's default puts
+it), ``bcg_break`` and ``bcg_graph`` (the same with ``"attention"`` ``"break"`` and ``"graph"``: their
+difference is what a break costs), and ``bcg_compile`` (bcg with ``torch_compile``, the vLLM
 adapter's default: its graphs capture vLLM's default piecewise compilation).
 
 Each mode is one prefill runtime whatever the model: ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is ``1`` for the
 native modes (a dense model is not on the list of architectures vLLM graphs breakably by itself from
-0.29) and ``0`` for eager, compile and full (so a listed architecture does not switch compile to
-breakable graphs); unset for the bcg modes, where bcg sets it. ``VLLM_USE_V2_MODEL_RUNNER`` is left as
-the caller sets it (``0`` selects the V1 runner, still selectable on every release bcg covers).
+0.29) and ``0`` for eager, compile, full and full_plain (so a listed architecture does not switch
+compile to breakable graphs); unset for the bcg modes, where bcg sets it. ``VLLM_USE_V2_MODEL_RUNNER``
+is left as the caller sets it (``0`` selects the V1 runner, still selectable on every release bcg covers).
 Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
 ``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
-wrapper on the runners' ``set_forward_context`` that exists only in this process). Writes the JSON
+wrapper on the runners' ``set_forward_context`` and on the V2 runner's FULL-graph replay, which runs
+outside it, that exists only in this process). Writes the JSON
 contract of :mod:`bcg_bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms), ``init_s``,
 ``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
 forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one, and
@@ -23,7 +27,11 @@ pools, cached blocks): the rest is held outside it, by the driver's graph object
 ``device_used_gib`` and ``kv_cache_gib``, the device memory in use once every N has been served and the
 KV cache's part of it. What is left beyond the KV cache (weights, graphs, and the activation blocks
 torch's allocator keeps cached after the largest eager forward) is what each mode costs a server at
-the same workload, wherever its engine accounts for it. With
+the same workload, wherever its engine accounts for it. At tp=1, dp=1 also ``weight_bytes`` and
+``vocab_weight_bytes`` (every parameter, and the part in the vocabulary tables: the embedding, read
+by rows, and the LM head, applied after the timed forward) and ``copy_bandwidth_gbs``, what a 1 GiB
+device-to-device copy moves per second (bytes read plus written) in the same process after the
+timed requests: the report's weight-read floor of a forward. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
 under ``torch.profiler`` (:mod:`bcg_bench.profile`).
 
@@ -61,7 +69,16 @@ from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.ranks import FileBarrier, free_port
 
-MODES = ("eager", "native", "native_ladder", "compile", "full", "bcg", "bcg_compile")
+MODES = ("eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break", "bcg_graph",
+         "bcg_compile")
+# What each bcg mode pins in bcg's config, whatever BCG_* variables say: the mode names what it measures.
+BCG_MODES = {
+    "bcg": {"torch_compile": False},
+    "bcg_break": {"torch_compile": False, "attention": "break"},
+    "bcg_graph": {"torch_compile": False, "attention": "graph"},
+    "bcg_compile": {"torch_compile": True},
+}
+COPY_BYTES = 2**30  # the device copy that measures the bandwidth of the weight-read floor
 # vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
 # (EngineCore._has_global_unfinished_reqs in 0.26): the floor of a DP request's generate() time.
 DP_WAVE_MIN_STEPS = 32
@@ -71,7 +88,7 @@ def breakable_env(mode: str) -> str | None:
     """``VLLM_USE_BREAKABLE_CUDAGRAPH`` for ``mode`` (``None``: unset, bcg's to set)."""
     if mode in ("native", "native_ladder"):
         return "1"
-    return None if mode.startswith("bcg") else "0"
+    return None if mode in BCG_MODES else "0"
 
 
 def _env_for(mode: str, in_process: bool = True) -> None:
@@ -85,7 +102,10 @@ def _env_for(mode: str, in_process: bool = True) -> None:
 
 
 class Timers:
-    """Capture time and memory around ``capture_model``, CUDA events around each model forward."""
+    """Capture time and memory around ``capture_model``, CUDA events around each model forward: the
+    body of the runners' ``set_forward_context``, and the V2 runner's FULL-graph replay
+    (``ModelCudaGraphManager.run_fullgraph``), which it issues outside any forward context (vLLM's
+    FULL graphs, and bcg's buckets with attention inside the graph)."""
 
     def __init__(self) -> None:
         from bcg_bench.profile import ForwardProfiler
@@ -95,11 +115,15 @@ class Timers:
         self.kv_cache_bytes = 0
         self.graph_bytes = 0
         self.allocator_bytes = 0
+        self.weight_bytes: int | None = None
+        self.vocab_weight_bytes: int | None = None
         self.forwards: list = []
+        self.timing = 0  # forwards being timed now: a replay inside a timed forward context is not another
         self.profile_armed = False
         self.profiler = ForwardProfiler.from_env(armed=lambda: self.profile_armed)  # bcg bench --profile N
 
     def install(self) -> None:
+        import vllm.v1.worker.gpu.cudagraph_utils as graphs
         import vllm.v1.worker.gpu.model_runner as v2
         import vllm.v1.worker.gpu_model_runner as v1
         from vllm.v1.worker.gpu_worker import Worker
@@ -109,6 +133,8 @@ class Timers:
             runner = module.GPUModelRunner
             runner.capture_model = self._timed_capture(runner.capture_model)
             module.set_forward_context = self._timed_context(module.set_forward_context)
+        manager = graphs.ModelCudaGraphManager
+        manager.run_fullgraph = self._timed_fullgraph(manager.run_fullgraph)
 
     def _timed_capture(self, original):
         import torch
@@ -137,6 +163,8 @@ class Timers:
     def _timed_kv_cache(self, original):
         @functools.wraps(original)
         def initialize_from_config(worker, *args, **kwargs):
+            if self.weight_bytes is None:  # the model is loaded before its KV cache is sized
+                self.weight_bytes, self.vocab_weight_bytes = parameter_bytes(worker.get_model())
             used_before = used_device_bytes()
             result = original(worker, *args, **kwargs)
             self.kv_cache_bytes += used_device_bytes() - used_before
@@ -144,9 +172,24 @@ class Timers:
 
         return initialize_from_config
 
-    def _timed_context(self, original):
+    @contextlib.contextmanager
+    def _timed(self, num_tokens: int):
         import torch
 
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        self.timing += 1
+        try:
+            with self.profiler.around(num_tokens) if self.profiler else contextlib.nullcontext():
+                yield
+        finally:
+            self.timing -= 1
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        self.forwards.append((num_tokens, start, end, host_ms))
+
+    def _timed_context(self, original):
         @contextlib.contextmanager
         def set_forward_context(*args, **kwargs):
             num_tokens = kwargs.get("num_tokens")
@@ -154,16 +197,21 @@ class Timers:
                 if num_tokens is None:
                     yield
                     return
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                t0 = time.perf_counter()
-                with self.profiler.around(num_tokens) if self.profiler else contextlib.nullcontext():
+                with self._timed(num_tokens):
                     yield
-                host_ms = (time.perf_counter() - t0) * 1e3
-                end.record()
-                self.forwards.append((num_tokens, start, end, host_ms))
 
         return set_forward_context
+
+    def _timed_fullgraph(self, original):
+        # functools.wraps: bcg's own wrapper of this method stays verifiable, as for capture_model.
+        @functools.wraps(original)
+        def run_fullgraph(manager, desc, *args, **kwargs):
+            if self.timing:
+                return original(manager, desc, *args, **kwargs)
+            with self._timed(desc.num_tokens):
+                return original(manager, desc, *args, **kwargs)
+
+        return run_fullgraph
 
     def last_forward(self) -> tuple[float, float] | None:
         """The largest forward since the last call (the prefill of the request just served):
@@ -208,13 +256,13 @@ def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int 
     elif mode == "native_ladder":
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": reference_ladder(chunk),
                                         "max_cudagraph_capture_size": chunk}
-    elif mode == "full":  # FULL graphs of every batch up to the chunk (FLASH_ATTN/TRITON_ATTN graph any mix)
+    elif mode in ("full", "full_plain"):  # FULL graphs of every batch to the chunk (FLASH_ATTN/TRITON_ATTN: any mix)
         kwargs["compilation_config"] = {"cudagraph_mode": "FULL", "cudagraph_capture_sizes": reference_ladder(chunk),
                                         "max_cudagraph_capture_size": chunk}
-    elif mode == "bcg":  # bcg over the plain model (vLLM's compilation off)
-        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": False}}
-    elif mode == "bcg_compile":  # bcg over vLLM's default (-O2) piecewise compilation
-        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": True}}
+        if mode == "full_plain":  # -O0's compilation mode: the plain model, as bcg's torch_compile false captures it
+            kwargs["compilation_config"]["mode"] = "NONE"
+    elif mode in BCG_MODES:
+        kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), **BCG_MODES[mode]}}
     return kwargs
 
 
@@ -223,7 +271,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
     _env_for(mode, in_process=dp == 1)
     from vllm import LLM, SamplingParams
 
-    if mode.startswith("bcg"):
+    if mode in BCG_MODES:
         # Installed now (the engine would install them at worker start) so the timers wrap them.
         from bcg_plugin.adapters.vllm import plugin
 
@@ -267,6 +315,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         if ttft is not None:
             ttfts[n].append(ttft)
     device_used = used_device_bytes() if tp == 1 and dp == 1 else None  # before the profiled request
+    bandwidth = copy_bandwidth_gbs() if tp == 1 and dp == 1 else None  # after device_used: not the mode's memory
     if timers.profiler is not None and tp == 1 and dp == 1:  # one extra request, in no median
         timers.profile_armed = True
         generate(timers.profiler.tokens)
@@ -285,6 +334,8 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
                       profile_capture_s=timers.profile_capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,
                       device_used_gib=device_used / 2**30, kv_cache_gib=timers.kv_cache_bytes / 2**30,
+                      weight_bytes=timers.weight_bytes, vocab_weight_bytes=timers.vocab_weight_bytes,
+                      copy_bandwidth_gbs=bandwidth,
                       host_profile=timers.profiler.summary if timers.profiler else None)
     else:  # the model runners live in vLLM's worker processes, out of these timers' reach
         result["note"] = "forward, capture and memory figures are timed in-process and so only at tp=1, dp=1"
@@ -296,16 +347,79 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
                            f"{DP_WAVE_MIN_STEPS} engine steps after it began, most of them one-token dummy steps: "
                            "end-to-end time measures those steps more than the prefill; time to first token "
                            "(vLLM's request metrics) ends with the prefill step")
-    if mode.startswith("bcg"):
+    if mode in BCG_MODES:
         result["bcg_config"] = kwargs["additional_config"]["bcg"]
-        result["bcg_stats"] = [s["summary"] for rank in llm.collective_rpc("bcg_stats") for s in rank]
+        stats = [s for rank in llm.collective_rpc("bcg_stats") for s in rank]
+        result["bcg_stats"] = [s["summary"] for s in stats]
         if not result["bcg_stats"]:
             # Without bcg's graphs this process measured vLLM alone; its figures must not pass as bcg's.
             raise SystemExit(f"bench {mode}: bcg captured nothing in this engine, so its figures would be vLLM's "
                              "without bcg; the engine log's 'bcg:' warning says why")
+        inline = [s["graph_attention_buckets"] for s in stats if "graph_attention_buckets" in s]
+        if inline:
+            result["graph_attention_buckets"] = sorted({b for buckets in inline for b in buckets})
+        problem = attention_problem(mode, inline)
+        if problem is not None:
+            raise SystemExit(f"bench {mode}: {problem}")
     if barrier is not None:  # a rank's engine that shut down early would leave the others in a collective
         barrier.wait()
     return result
+
+
+def attention_problem(mode: str, inline: list[list[int]]) -> str | None:
+    """Why a bcg mode's figures would not be what its name says: ``inline``, per runner, the buckets
+    whose attention bcg captured inside the graph (empty where the runtime does not report them)."""
+    if not inline:
+        return None
+    if mode == "bcg_graph" and not any(inline):
+        return ("bcg kept attention out of every graph (no bucket's attention backend could run inside it), so "
+                "its figures would be bcg_break's; the engine log's capture summary names the backend")
+    if mode == "bcg_break" and any(inline):
+        return "bcg captured attention inside some graphs although the mode asks for breaks"
+    return None
+
+
+def parameter_bytes(model: Any) -> tuple[int, int]:
+    """The bytes of ``model``'s parameters (a tied weight once), and the part held by its vocabulary
+    tables (embeddings and LM heads): a forward reads every other weight whole, but only N rows of the
+    embedding, and vLLM applies the LM head after the forward."""
+    import torch
+
+    vocab_types: tuple[type, ...] = (torch.nn.Embedding,)
+    try:
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        vocab_types += (VocabParallelEmbedding,)  # ParallelLMHead derives from it
+    except ImportError:
+        pass
+    vocab = {id(p) for m in model.modules() if isinstance(m, vocab_types) for p in m.parameters(recurse=False)}
+    total = vocab_total = 0
+    for p in model.parameters():  # each Parameter once, however many modules share it
+        size = p.numel() * p.element_size()
+        total += size
+        vocab_total += size if id(p) in vocab else 0
+    return total, vocab_total
+
+
+def copy_bandwidth_gbs(reps: int = 5, nbytes: int = COPY_BYTES) -> float:
+    """The median rate of a device-to-device copy of ``nbytes``, in GB/s of memory traffic (each
+    byte is read and written): the rate at which this GPU streams weights, measured on the device
+    and in the process that timed the forwards."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # the first copy pays for lazy initialisation
+    rates = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        rates.append(2 * nbytes / (start.elapsed_time(end) * 1e-3) / 1e9)
+    del src, dst
+    return statistics.median(rates)
 
 
 def profiling_capture(runner: Any, kwargs: dict) -> bool:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from bcg_bench import harness
 from bcg_bench.report import run_stamp
 
@@ -353,3 +355,43 @@ def test_a_bench_stopped_while_a_mode_runs_ends_that_modes_processes(monkeypatch
     with pytest.raises(KeyboardInterrupt):
         harness.run_mode("vllm", "bcg", "qwen3-0.6b", [16], 60)
     assert ended == [4321]
+
+
+def _vllm_result(modes: dict, sizes: list[int], layers: int | None = 28) -> dict:
+    model = {"name": "qwen3-0.6b", **({"num_hidden_layers": layers} if layers else {})}
+    return {"engine": "vllm", "engine_version": "0.33.0", "model": model, "gpu": "GPU",
+            "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.11.0"}, "sizes": sizes, "modes": modes}
+
+
+def test_report_gives_the_host_time_per_attention_break_when_both_attention_modes_ran():
+    modes = {"bcg_break": {"e2e_ms": {"16": 5.0, "256": 6.0}, "forward_host_ms": {"16": 3.0, "256": 3.5}},
+             "bcg_graph": {"e2e_ms": {"16": 4.0, "256": 6.0}, "forward_host_ms": {"16": 1.6, "256": 3.5}}}
+    section = harness.to_markdown(_vllm_result(modes, [16, 256])).split("## Host time per attention break", 1)[1]
+    assert "| 16 | 50.0 |" in section  # (3.0 - 1.6) ms over 28 layers
+    assert "| 256 | 0.0 |" in section.split("##")[0]  # a bucket where bcg_graph breaks too
+    assert harness.break_cost(modes, 28, ["16", "256"]) == pytest.approx({"16": 0.05, "256": 0.0})
+    assert "per attention break" not in harness.to_markdown(_vllm_result(modes, [16, 256], layers=None))
+    del modes["bcg_graph"]
+    assert "per attention break" not in harness.to_markdown(_vllm_result(modes, [16, 256]))
+
+
+def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, monkeypatch):
+    """The mode process's weight bytes and copy bandwidth survive the harness's merge of rounds; the
+    report divides the forward by the floor at N <= 128 only."""
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+        return {"e2e_ms": {str(n): 9.0 for n in sizes}, "forward_ms": {"16": 4.2, "128": 7.0, "256": 9.0},
+                "weight_bytes": 16 * 10**9, "vocab_weight_bytes": 2 * 10**9, "copy_bandwidth_gbs": 4000.0}
+
+    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("vllm", "qwen3-8b", [16, 128, 256], ["bcg_graph", "full"], tmp_path, 10, rounds=2)
+    result = json.loads(path.read_text())
+    data = result["modes"]["bcg_graph"]
+    assert (data["weight_bytes"], data["vocab_weight_bytes"], data["copy_bandwidth_gbs"]) == (16e9, 2e9, 4000.0)
+    assert harness.weight_floor(data) == pytest.approx(3.5)  # 14 GB read at 4 TB/s
+    section = harness.to_markdown(result).split("## Model forward over the weight-read floor", 1)[1]
+    assert "| bcg_graph | 14.000 | 4000 | 3.500 |" in section
+    assert "| 16 | 1.200 | 1.200 |" in section and "| 128 | 2.000 | 2.000 |" in section
+    assert "| 256 |" not in section.split("\n##")[0]
+    data["copy_bandwidth_gbs"] = None  # a mode that did not measure it (tp > 1) has no floor
+    assert harness.weight_floor(data) is None

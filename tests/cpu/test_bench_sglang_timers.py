@@ -94,7 +94,8 @@ def test_an_armed_scheduler_profiles_one_forward_and_records_it(monkeypatch, tmp
 def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_path):
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
-    stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5)
+    stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5,
+                                  buckets_captured=56)
     bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": types.SimpleNamespace(stats=stats)})(),
                                 memory_usage_gb=0.75, capture_time=2.0)
     native = types.SimpleNamespace(runner=type("PrefillCudaGraphRunner", (), {})(), memory_usage_gb=0.25,
@@ -102,9 +103,56 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     sglang_timers.after_capture_prefill_graph(bcg)
     sglang_timers.after_capture_prefill_graph(native)
     first, second = (json.loads(line) for line in path.read_text().splitlines())
-    assert first == {"kind": "capture", "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
-                     "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5}
-    assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is None
+    assert first == {"kind": "capture", "rank": 0, "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
+                     "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
+                     "bcg_buckets": 56}
+    assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
+
+
+def _capture_result(runner: str, buckets: int | None):
+    """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats) or SGLang's own."""
+    stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
+                                  buckets_captured=buckets)
+    attrs = {} if buckets is None else {"core": types.SimpleNamespace(stats=stats)}
+    return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
+
+
+@pytest.mark.parametrize("mode, captured, problem", [
+    ("bcg", [("BcgPrefillRunner", 56)], None),
+    ("bcg", [], "no scheduler recorded a prefill-graph capture"),
+    ("bcg", [("PrefillCudaGraphRunner", None)], r"SGLang's own prefill runner \(PrefillCudaGraphRunner\) was built"),
+    ("bcg", [("BcgPrefillRunner", 0)], "bcg's runner captured no bucket"),
+    ("bcg", [("BcgPrefillRunner", 56), ("PrefillCudaGraphRunner", None)], "own prefill runner"),  # one rank of two
+    ("native", [("PrefillCudaGraphRunner", None)], None),
+])
+def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sglang(monkeypatch, mode, captured,
+                                                                                     problem):
+    """The schedulers' capture records (the bench's own hook on SGLang's capture) say whether bcg's
+    runner serves prefill; without it the bcg mode would time SGLang alone and call it bcg."""
+    from bcg_bench import sglang_mode
+
+    shut = []
+
+    class FakeEngine:
+        def generate(self, input_ids, sampling_params):
+            return {}
+
+        def shutdown(self):
+            shut.append(True)
+
+    def start_engine(record, **kwargs):
+        monkeypatch.setenv(sglang_timers.RECORD_ENV, str(record))  # as in each scheduler
+        for runner, buckets in captured:
+            sglang_timers.after_capture_prefill_graph(_capture_result(runner, buckets))
+        return FakeEngine()
+
+    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+    if problem is None:
+        assert sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)["mode"] == mode
+    else:
+        with pytest.raises(SystemExit, match=f"bench bcg: on rank 0 .*{problem}|bench bcg: {problem}"):
+            sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
+    assert shut == [True]  # the engine ends either way
 
 
 # -- how the timers reach the schedulers --------------------------------------------------------------

@@ -11,7 +11,12 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 
-@pytest.mark.parametrize("mode", ["eager", "native", "native_ladder", "compile", "full", "bcg", "bcg_compile"])
+ALL_MODES = ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break", "bcg_graph",
+             "bcg_compile"]
+BCG_MODES = [m for m in ALL_MODES if m.startswith("bcg")]
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_bench_engine_kwargs_are_vllm_engine_args(mode):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -146,10 +151,15 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
     for module in (v1, v2):  # install() wraps these too; restored after the test
         monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
         monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
+    import vllm.v1.worker.gpu.cudagraph_utils as graphs
+
+    monkeypatch.setattr(graphs.ModelCudaGraphManager, "run_fullgraph", graphs.ModelCudaGraphManager.run_fullgraph)
     timers = bench.Timers()
     timers.install()
-    Worker.initialize_from_config(object(), 3 * 2**30)
+    model = torch.nn.Linear(4, 8, dtype=torch.bfloat16)
+    Worker.initialize_from_config(types.SimpleNamespace(get_model=lambda: model), 3 * 2**30)
     assert timers.kv_cache_bytes == 3 * 2**30
+    assert (timers.weight_bytes, timers.vocab_weight_bytes) == ((4 * 8 + 8) * 2, 0)  # the model loaded before it
     assert bench.used_device_bytes() == (140 - 77) * 2**30
 
 
@@ -170,8 +180,8 @@ def test_bench_has_the_six_modes_and_full_graphs_every_batch_up_to_the_chunk():
 
 
 @pytest.mark.parametrize("mode, expected", [
-    ("native", "1"), ("native_ladder", "1"), ("eager", "0"), ("compile", "0"), ("full", "0"),
-    ("bcg", None), ("bcg_compile", None)])
+    ("native", "1"), ("native_ladder", "1"), ("eager", "0"), ("compile", "0"), ("full", "0"), ("full_plain", "0"),
+    ("bcg", None), ("bcg_break", None), ("bcg_graph", None), ("bcg_compile", None)])
 def test_each_bench_mode_is_one_prefill_runtime_whatever_the_architecture(monkeypatch, mode, expected):
     """vLLM's breakable graphs on for the native modes (a dense model is not on vLLM's own list), off
     for the others, and left to bcg in the bcg modes."""
@@ -222,18 +232,31 @@ def test_bench_timers_leave_bcgs_runner_patches_verifiable(monkeypatch, vllm_plu
     from bcg_plugin.adapters.vllm import plugin
     from bcg_plugin.patches.vllm import RUNNER
 
+    import vllm.v1.worker.gpu.cudagraph_utils as graphs
+
+    from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, Wrap
+
     monkeypatch.setattr(Worker, "initialize_from_config", Worker.initialize_from_config)
     for module in (v1, v2):  # install() wraps these; restored after the test
         monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
         monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
+    monkeypatch.setattr(graphs.ModelCudaGraphManager, "run_fullgraph", graphs.ModelCudaGraphManager.run_fullgraph)
+    # bcg wraps the FULL replay where attention is inside its graphs; the timers then wrap that wrapper.
+    replay = PatchSet("replay", [Patch(
+        target="vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager.run_fullgraph",
+        how=Wrap(params=["self", "desc"]), make=lambda original: lambda self, desc: original(self, desc),
+        reason="test", hosts=">=0", upstream=NOT_FILED, remove_when="test")])
+    replay.apply({})
     assert plugin.apply_runner_patches()
     bench.Timers().install()
     assert RUNNER.problems() == []
+    assert replay.problems() == []
     assert plugin.runner_patch_problem() is None
 
 
+@pytest.mark.parametrize("mode", BCG_MODES)
 @pytest.mark.parametrize("stats, engaged", [([[]], False), ([[{"summary": "replays=3 fallbacks=0"}]], True)])
-def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vllm(monkeypatch, stats, engaged):
+def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vllm(monkeypatch, mode, stats, engaged):
     import vllm
 
     from bcg_bench import vllm_mode as bench
@@ -256,8 +279,155 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vll
     monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
     monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
     if engaged:
-        assert bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)["bcg_stats"] == ["replays=3 fallbacks=0"]
+        assert bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)["bcg_stats"] == ["replays=3 fallbacks=0"]
     else:
-        with pytest.raises(SystemExit, match="bcg captured nothing"):
-            bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
+        with pytest.raises(SystemExit, match=f"bench {mode}: bcg captured nothing"):
+            bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)
+
+
+def test_full_plain_is_full_graphs_at_the_same_sizes_over_the_plain_model():
+    """vLLM's FULL graphs over what bcg's torch_compile false captures: compilation mode NONE, the
+    rest as ``full``. vLLM keeps FULL under NONE (it downgrades only modes needing its piecewise
+    compilation), so the mode is not refused on any release the bench covers."""
+    from vllm.config.compilation import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    from bcg_bench.vllm_mode import engine_kwargs
+
+    full = engine_kwargs("full", "qwen3-0.6b", [16, 4096])["compilation_config"]
+    plain = engine_kwargs("full_plain", "qwen3-0.6b", [16, 4096])["compilation_config"]
+    assert "mode" not in full  # vLLM's default compilation
+    assert {k: v for k, v in plain.items() if k != "mode"} == full
+    cc = CompilationConfig(**plain)
+    assert cc.mode == CompilationMode.NONE and cc.cudagraph_mode == CUDAGraphMode.FULL
+    assert not cc.cudagraph_mode.requires_piecewise_compilation()
+
+
+@pytest.mark.parametrize("mode, attention, torch_compile", [
+    ("bcg", None, False), ("bcg_break", "break", False), ("bcg_graph", "graph", False), ("bcg_compile", None, True)])
+def test_each_bcg_mode_pins_what_its_name_says_whatever_the_bcg_variables(monkeypatch, mode, attention, torch_compile):
+    import dataclasses
+
+    from bcg_bench.vllm_mode import engine_kwargs
+    from bcg_plugin.config import BcgConfig
+
+    knows_attention = "attention" in {f.name for f in dataclasses.fields(BcgConfig)}
+    monkeypatch.setenv("BCG_TORCH_COMPILE", "0" if torch_compile else "1")
+    if attention is not None:  # the other choice, which the mode must override
+        monkeypatch.setenv("BCG_ATTENTION", "graph" if attention == "break" else "break")
+    else:
+        monkeypatch.delenv("BCG_ATTENTION", raising=False)
+    bcg = engine_kwargs(mode, "qwen3-0.6b", [16, 2048])["additional_config"]["bcg"]
+    assert bcg["enable"] is True and bcg["torch_compile"] is torch_compile
+    assert bcg.get("attention") == attention  # bcg and bcg_compile: the config's default (auto)
+    if knows_attention:
+        assert BcgConfig.from_mapping(bcg).attention == (attention or "auto")
+
+
+@pytest.mark.parametrize("mode, inline, problem", [
+    ("bcg_graph", [[], []], "kept attention out of every graph"),
+    ("bcg_graph", [[16, 32], []], None),
+    ("bcg_break", [[16]], "captured attention inside some graphs"),
+    ("bcg_break", [[], []], None),
+    ("bcg", [[16]], None),
+    ("bcg_graph", [], None),  # a runtime that does not report the buckets: nothing to check
+])
+def test_a_bcg_attention_mode_whose_graphs_do_not_match_its_name_fails(monkeypatch, mode, inline, problem):
+    import vllm
+
+    from bcg_bench import vllm_mode as bench
+    from bcg_plugin.adapters.vllm import plugin
+
+    stats = [[{"summary": "s", **({"graph_attention_buckets": b} if inline else {})} for b in inline or [[]]]]
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [types.SimpleNamespace(metrics=None)]
+
+        def collective_rpc(self, name):
+            return stats
+
+    monkeypatch.setattr(bench, "_env_for", lambda *a, **k: None)
+    monkeypatch.setattr(plugin, "register", lambda: None)
+    monkeypatch.setattr(plugin, "apply_runner_patches", lambda *a: True)
+    monkeypatch.setattr(bench.Timers, "install", lambda self: None)
+    monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
+    monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
+    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    if problem is None:
+        result = bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)
+        assert result.get("graph_attention_buckets") == (sorted({b for x in inline for b in x}) if inline else None)
+    else:
+        with pytest.raises(SystemExit, match=f"bench {mode}: bcg .*{problem}"):
+            bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)
+
+
+@pytest.mark.usefixtures("fake_cuda_events")
+def test_the_v2_full_graph_replay_is_timed_once_outside_a_forward_context_and_not_again_inside(monkeypatch):
+    """The V2 runner replays FULL graphs (vLLM's, and bcg's buckets with attention inside) outside
+    ``set_forward_context``: timing only the context left those forwards out of ``forward_ms``."""
+    import contextlib
+
+    import torch
+    import vllm.v1.worker.gpu.cudagraph_utils as graphs
+    import vllm.v1.worker.gpu.model_runner as v2
+    import vllm.v1.worker.gpu_model_runner as v1
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from bcg_bench import vllm_mode as bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(Worker, "initialize_from_config", Worker.initialize_from_config)
+    for module in (v1, v2):  # install() wraps these; restored after the test
+        monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
+        monkeypatch.setattr(module, "set_forward_context", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(graphs.ModelCudaGraphManager, "run_fullgraph", lambda self, desc: f"hidden[{desc.num_tokens}]")
+    timers = bench.Timers()
+    timers.install()
+    replay = graphs.ModelCudaGraphManager.run_fullgraph
+    assert replay(None, types.SimpleNamespace(num_tokens=64)) == "hidden[64]"
+    assert [f[0] for f in timers.forwards] == [64]
+    assert timers.last_forward()[0] == 1.0 and timers.forwards == []
+    with v2.set_forward_context(None, None, num_tokens=128):  # V1's FULL graphs replay inside the model call
+        replay(None, types.SimpleNamespace(num_tokens=128))
+    assert [f[0] for f in timers.forwards] == [128]
+
+
+def test_parameter_bytes_count_a_tied_weight_once_and_name_the_vocabulary_tables():
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    def table(cls, rows, dim):
+        class Table(cls):  # vLLM's layers without their tensor-parallel set-up
+            def __init__(self):
+                torch.nn.Module.__init__(self)
+                self.weight = torch.nn.Parameter(torch.zeros(rows, dim, dtype=torch.bfloat16))
+
+        return Table()
+
+    from bcg_bench.vllm_mode import parameter_bytes
+
+    body = torch.nn.Linear(4, 8, dtype=torch.bfloat16)  # 4 x 8 weight and 8 biases
+    untied = torch.nn.ModuleDict({"embed": table(VocabParallelEmbedding, 10, 4), "body": body,
+                                  "lm_head": table(ParallelLMHead, 10, 4)})
+    assert parameter_bytes(untied) == ((2 * 40 + 40) * 2, 2 * 40 * 2)
+    embed = torch.nn.Embedding(10, 4, dtype=torch.bfloat16)
+    tied = torch.nn.ModuleDict({"embed": embed, "body": body, "lm_head": embed})  # vLLM's tie: the same module
+    assert parameter_bytes(tied) == ((40 + 40) * 2, 40 * 2)
+
+
+@pytest.mark.usefixtures("fake_cuda_events")
+def test_copy_bandwidth_counts_the_bytes_read_and_written(monkeypatch):
+    import torch
+
+    from bcg_bench import vllm_mode as bench
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))  # on the CPU
+    # The fake events read 1 ms per copy: 1 MB read and 1 MB written in 1 ms is 2 GB/s.
+    assert bench.copy_bandwidth_gbs(reps=3, nbytes=10**6) == pytest.approx(2.0)
