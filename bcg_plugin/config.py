@@ -55,8 +55,9 @@ class BcgConfig:
             the other buckets break. ``"break"``: an eager call between graph segments in every
             bucket, sized for the live batch. ``"auto"``: the host's choice per bucket, in the graph
             where its kernel, launched on the grid captured for the bucket's worst case, does not
-            lose to the eager call sized for the live batch. The choice per bucket is logged with
-            the capture summary and shown by ``bcg doctor``.
+            lose to the eager call sized for the live batch (vLLM: the same buckets as ``"graph"``,
+            where it was ahead at every size measured). The choice per bucket is logged with the
+            capture summary and shown by ``bcg doctor``.
     """
 
     enable: bool = False

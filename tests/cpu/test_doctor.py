@@ -39,8 +39,8 @@ def test_enabled_config_says_what_the_plugin_will_do():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("choice, says", [
-    ("auto", "inside the graph in buckets up to the smaller of vLLM's max_cudagraph_capture_size and 1024 tokens"),
-    ("graph", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size,"),
+    ("auto", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size (raise it"),
+    ("graph", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size (raise it"),
     ("break", "an eager break in every bucket"),
 ])
 def test_doctor_says_where_attention_runs_for_the_configured_choice(choice, says):

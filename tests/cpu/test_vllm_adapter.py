@@ -1046,12 +1046,12 @@ def _v2_host(vllm_config, support, embeds_in_graph=True):
 
 def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vllm_model_config):
     """The plan follows vLLM's own FULL-graph rules: a backend graphing any batch mix, FULL graphs in
-    cudagraph_mode, buckets up to max_cudagraph_capture_size; "auto" also stops at the crossover."""
+    cudagraph_mode, buckets up to max_cudagraph_capture_size ("auto" as "graph" on vLLM)."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
-    from bcg_plugin.adapters.vllm.host import AUTO_GRAPH_ATTENTION_MAX_TOKENS as auto_max, accepts
+    from bcg_plugin.adapters.vllm.host import accepts
 
     config = make_config(vllm_model_config)
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
@@ -1062,7 +1062,9 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
         assert host.bcg_graph_attention(buckets, "graph") is None
         return
     assert host.bcg_graph_attention(buckets, "graph") == [16, 512, 1024, 1536, 2048]
-    assert host.bcg_graph_attention(buckets, "auto") == [b for b in buckets if b <= auto_max]
+    assert host.bcg_graph_attention(buckets, "auto") == [16, 512, 1024, 1536, 2048]
+    config.compilation_config.max_cudagraph_capture_size = 512
+    assert host.bcg_graph_attention(buckets, "auto") == [16, 512]
     assert _v2_host(config, AttentionCGSupport.UNIFORM_BATCH).bcg_graph_attention(buckets, "graph") is None
     assert _v2_host(config, AttentionCGSupport.ALWAYS, embeds_in_graph=False).bcg_graph_attention(
         buckets, "graph") is None

@@ -351,7 +351,9 @@ def test_bcg_matches_eager(engines, bcg_name, ref_name):
     assert run["runners"] == ref["runners"]  # compared on the same runner
     _assert_bcg_ran(run)
     bad = mismatches(run["results"], ref["results"])
-    print(f"[bcg gpu] {bcg_name} vs {ref_name}: {run['bcg'][0]['replays']} replays, {len(bad)}/{NUM_PROMPTS} "
+    print(f"[bcg gpu] {bcg_name} vs {ref_name}: attention inside the graph in "
+          f"{len(run['bcg'][0].get('graph_attention_buckets', []))} buckets, {run['bcg'][0]['replays']} replays, "
+          f"{len(bad)}/{NUM_PROMPTS} "
           f"prompts beyond tolerance, worst |d logprob| {worst_logprob_diff(run['results'], ref['results']):.4f} "
           f"(atol {LOGPROB_ATOL}), fewest shared top-k {fewest_shared(run['results'], ref['results'])} "
           f"(min {MIN_SHARED_TOP5})")

@@ -47,15 +47,11 @@ def diagnose() -> AdapterReport:
 
 def attention_scope(config: BcgConfig) -> str:
     """Where each bucket's attention runs under ``config`` (:meth:`~bcg_plugin.adapters.vllm.host.V2Host.bcg_graph_attention`)."""
-    from bcg_plugin.adapters.vllm.host import AUTO_GRAPH_ATTENTION_MAX_TOKENS
-
     if config.attention == "break":
         return "an eager break in every bucket"
-    bound = "vLLM's max_cudagraph_capture_size"
-    if config.attention == "auto":
-        bound = f"the smaller of {bound} and {AUTO_GRAPH_ATTENTION_MAX_TOKENS} tokens"
-    return (f"inside the graph in buckets up to {bound}, where the V2 model runner serves a text-only model "
-            f"with FLASH_ATTN (FA3) or TRITON_ATTN; an eager break in the others (the V1 runner, other "
+    return ("inside the graph in buckets up to vLLM's max_cudagraph_capture_size (raise it to reach larger "
+            "buckets), where the V2 model runner serves a text-only model "
+            "with FLASH_ATTN (FA3) or TRITON_ATTN; an eager break in the others (the V1 runner, other "
             "backends, larger buckets); the capture logs its choice by bucket range")
 
 

@@ -236,21 +236,15 @@ class V2Host(VllmHost):
 
     @hookimpl
     def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
-        reason = graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph)
-        if reason is not None:
+        # "auto" takes the same buckets as "graph": every bucket vLLM's own FULL metadata reaches. On
+        # FA3 that metadata carries a schedule of the live batch's tiles, so the worst-case grid a
+        # FULL capture launches costs little: vLLM's FULL graphs were ahead of the modes that break
+        # at attention measured beside them at every size up to 4096 tokens
+        # (benchmarks/results/vllm-0.33.0-qwen3-0.6b-*.md).
+        if graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph) is not None:
             return None
         limit = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
-        if attention == "auto":
-            limit = min(limit, AUTO_GRAPH_ATTENTION_MAX_TOKENS)
         return [b for b in buckets if b <= limit]
-
-
-# ``attention: "auto"`` keeps attention inside the graph up to this many tokens. Past it the eager call,
-# launched for the live batch, wins: vLLM's FULL metadata gives the captured kernel the bucket's
-# worst-case grid (every request as long as the bucket, keys up to max_model_len), which costs more
-# than breaking saves once the forward is GPU-bound (docs/benchmarks.md, the bcg_graph and bcg_break
-# modes).
-AUTO_GRAPH_ATTENTION_MAX_TOKENS = 1024
 
 
 def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph: bool) -> str | None:
