@@ -74,11 +74,6 @@ def plain_call(step: Callable[..., Any]) -> Callable[..., Any]:
     return _plain_calls.get(step, step)
 
 
-def inline_breaks() -> bool:
-    """Whether the capture under way records capturable breaks inline (see :func:`eager_break`)."""
-    return _capture_inline.get()
-
-
 def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] = (),
                 capturable: bool = False) -> Callable[..., Any]:
     """Mark ``fn`` as an eager break; outside a capture it is a plain call.

@@ -50,13 +50,14 @@ class BcgConfig:
             adapter defaults to on, keeping the compilation vLLM is configured with.
         attention: where a bucket's attention runs. ``"graph"``: inside the captured graph, in every
             bucket whose attention the host can run from buffers fixed per bucket (its full-graph
-            metadata; vLLM: the V2 runner with FLASH_ATTN (FA3) or TRITON_ATTN, up to its
+            metadata; vLLM 0.28 and later: the V2 runner with FLASH_ATTN (FA3) or TRITON_ATTN, a
+            ``cudagraph_mode`` with FULL graphs, no data parallelism, buckets up to its
             ``max_cudagraph_capture_size``), so a small batch replays one graph with no eager step;
             the other buckets break. ``"break"``: an eager call between graph segments in every
             bucket, sized for the live batch. ``"auto"``: the host's choice per bucket, in the graph
             where its kernel, launched on the grid captured for the bucket's worst case, does not
             lose to the eager call sized for the live batch (vLLM: the same buckets as ``"graph"``,
-            where it was ahead at every size measured). The choice per bucket is logged with the
+            those vLLM's own FULL mode keeps attention inside the graph for). The choice per bucket is logged with the
             capture summary and shown by ``bcg doctor``.
     """
 

@@ -110,7 +110,8 @@ class BcgHostSpec:
 
     @hookspec(firstresult=True)
     def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool) -> HostBatch:
-        """Return a capture batch of exactly ``num_tokens`` rows (bs=1 extend, KV to a dummy slot).
+        """Return a capture batch of exactly ``num_tokens`` rows (bs=1 extend, KV to a dummy slot;
+        with ``graph_attention``, as many requests as the host pads such a bucket's steps to).
 
         Its payload is bound as the live batch while the bucket is captured, so breaks run real
         attention on it once; nothing of it is read again at replay. ``graph_attention``: the

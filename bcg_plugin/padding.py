@@ -49,7 +49,7 @@ class PaddedRows:
 
     def __init__(self, buckets: list[int], device: torch.device, whole: frozenset[int] = frozenset()) -> None:
         top = buckets[-1]
-        self._padded = torch.zeros(top, dtype=torch.bool, device=device)  # the tiled ranges' flags
+        self._padded = torch.zeros(top, dtype=torch.bool, device=device)
         self._rows = torch.arange(top, dtype=torch.int32, device=device)
         self._start = {b: 0 if b in whole else s for b, s in zip(buckets, [0, *buckets[:-1]])}
         self._flags = {b: torch.zeros(b, dtype=torch.bool, device=device) if b in whole else self._padded[self._start[b]:b]

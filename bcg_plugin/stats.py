@@ -37,7 +37,8 @@ class RuntimeStats:
     # shape's 56 buckets x 29 segments on an H200).
     graph_bytes: int = 0
     pool_bytes: int = 0  # the part of graph_bytes in the graphs' memory pool
-    graph_attention_buckets: list[int] = dataclasses.field(default_factory=list)  # attention captured inline
+    # Buckets whose attention was captured inside the graph: their replays run no eager step at all.
+    graph_attention_buckets: list[int] = dataclasses.field(default_factory=list)
 
     def record_replay(self, bucket: int, num_tokens: int) -> None:
         self.replays_by_bucket[bucket] += 1

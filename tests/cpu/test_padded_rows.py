@@ -176,3 +176,51 @@ def test_a_bucket_with_attention_in_the_graph_scrubs_all_its_rows_with_flags_of_
     rows.scrub(32).apply(out, "output")
     assert out[5:].eq(0).all() and out[:5].isnan().all()
     assert rows._padded[32:48].tolist() == [False] * 8 + [True] * 8  # the tiled flags untouched by bucket 32
+
+
+def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(monkeypatch):
+    """The runner's wiring of the host's plan: the dummy batch is asked for graph-resident metadata,
+    the capture records capturable breaks inline, and the bucket's scrub covers all its rows."""
+    import contextlib
+
+    from bcg_plugin import StaticInput, hookimpl
+    from bcg_plugin import runner as runner_mod
+
+    asked, captured = [], []
+
+    class Host:
+        @hookimpl
+        def bcg_graph_attention(self, buckets, attention):
+            return [32]
+
+        @hookimpl
+        def bcg_static_inputs(self):
+            return {"positions": StaticInput((), torch.int64)}
+
+        @hookimpl
+        def bcg_capture_stream(self):
+            return "capture stream"
+
+        @hookimpl
+        def bcg_dummy_batch(self, num_tokens, graph_attention):
+            asked.append((num_tokens, graph_attention))
+            return HostBatch(num_tokens=num_tokens, inputs={"positions": torch.zeros(num_tokens, dtype=torch.int64)})
+
+    class Pool:
+        allocating = staticmethod(contextlib.nullcontext)
+
+    def capture_segments(fn, *, pool, stream, scrub, inline_breaks):
+        captured.append((scrub.start, scrub.stop, inline_breaks))
+        return "graph", None
+
+    monkeypatch.setattr(runner_mod, "check_torch_version", lambda: None)
+    monkeypatch.setattr(runner_mod, "GraphPool", Pool)
+    monkeypatch.setattr(runner_mod, "capture_segments", capture_segments)
+    runner = PrefillGraphRunner(plugin_manager(Host()), BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32,
+                                device="cpu")
+    stream = runner._prepare_capture()
+    runner._output = torch.zeros(32, 4)
+    for bucket in (32, 16):
+        runner._capture_bucket(bucket, stream, warm=False)
+    assert asked == [(32, True), (16, False)]
+    assert captured == [(0, 32, True), (0, 16, False)]  # the top bucket scrubs below the next bucket too

@@ -390,22 +390,35 @@ def test_v2_dispatch_gives_graph_attention_buckets_a_full_descriptor_padded_to_t
     assert (large.cg_mode, large.num_tokens, large.num_reqs) == (CUDAGraphMode.PIECEWISE, 48, None)
 
 
-def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_vllm():
+def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_vllm(monkeypatch):
+    import vllm.model_executor.offloader.base as offloader
+
     from bcg_plugin.patches.vllm import v2_model_cudagraph_manager_run_fullgraph as mod
 
-    own, bcg = object(), []
+    bcg, synced = [], []
+    monkeypatch.setattr(offloader, "get_offloader", lambda: types.SimpleNamespace(
+        sync_prev_onload=lambda: synced.append(len(bcg))))
 
     class Graphs:
+        def graph_requests(self, bucket):
+            return {32: 24}.get(bucket)  # attention inside bcg's graph in bucket 32 only
+
         def forward_full(self, bucket):
             bcg.append(bucket)
             return "bcg hidden"
 
+    def desc(num_tokens, num_reqs):
+        return type("Desc", (), {"num_tokens": num_tokens, "num_reqs": num_reqs})()
+
     run = mod.PATCH.make(lambda self, desc: "vllm hidden")
+    own = desc(32, 24)
     manager = types.SimpleNamespace(graphs={own: None}, _bcg_graphs=Graphs())
-    desc = type("Desc", (), {"num_tokens": 32})()
-    assert run(manager, own) == "vllm hidden"  # a FULL decode graph vLLM captured itself
-    assert run(manager, desc) == "bcg hidden" and bcg == [32]
-    assert run(types.SimpleNamespace(graphs={}), desc) == "vllm hidden"  # bcg not running in this runner
+    assert run(manager, own) == "vllm hidden"  # a FULL graph vLLM captured itself
+    assert run(manager, desc(48, None)) == "vllm hidden"  # a bucket where attention breaks: not bcg's FULL replay
+    assert run(manager, desc(32, 32)) == "vllm hidden"  # padded to other than the bucket's requests
+    assert run(manager, desc(32, 24)) == "bcg hidden" and bcg == [32]
+    assert synced == [0]  # the offloader's copies are waited for before bcg's graph reads
+    assert run(types.SimpleNamespace(graphs={}), desc(32, 24)) == "vllm hidden"  # bcg not running here
 
 
 def test_v1_dispatch_answers_the_dp_redispatch_without_tripping_vllms_assert():
@@ -1070,6 +1083,27 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
         buckets, "graph") is None
     config.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
     assert host.bcg_graph_attention(buckets, "graph") is None
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    config.parallel_config.data_parallel_size = 2
+    assert host.bcg_graph_attention(buckets, "auto") is None
+
+
+def test_where_attention_cannot_stay_in_the_graph_the_reason_is_logged_once(vllm_model_config, monkeypatch):
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from bcg_plugin.adapters.vllm import host as host_mod
+
+    said = []
+    monkeypatch.setattr(host_mod, "_SAID", set())
+    monkeypatch.setattr(host_mod, "logger", types.SimpleNamespace(
+        warning=lambda fmt, *a: said.append(("warning", fmt % a)), info=lambda fmt, *a: said.append(("info", fmt % a))))
+    config = make_config(vllm_model_config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+    host = _v2_host(config, AttentionCGSupport.UNIFORM_BATCH)
+    assert host.bcg_graph_attention([16], "graph") is None and host.bcg_graph_attention([16], "graph") is None
+    assert len(said) == 1 and said[0][0] == "warning"  # asked for explicitly: a warning, once
+    assert said[0][1].startswith("bcg: attention stays an eager break in every bucket: ")
 
 
 def test_a_graph_attention_bucket_is_captured_with_vllms_full_metadata_for_its_padded_requests(
@@ -1102,3 +1136,28 @@ def test_a_graph_attention_bucket_is_captured_with_vllms_full_metadata_for_its_p
     host.capture_context(16, graph_attention=True)
     host.capture_context(2048)
     assert calls == [(min(2048, max_seqs), 2048, True, 2048), (16, 16, True, 16), (1, 2048, False, None)]
+
+
+def test_a_full_replay_lands_the_count_last_dispatched_to_its_bucket_and_refuses_one_never_dispatched():
+    """A FULL step passes no batch: the real rows are those vLLM dispatched to the bucket (under data
+    parallelism the synced count, dispatched last); a replay with none dispatched is refused, not
+    guessed (rows cut below vLLM's logits indices would be lost)."""
+    from bcg_plugin import BcgStateError
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
+
+    replays = []
+    graphs = object.__new__(VllmPrefillGraphs)
+    graphs.runner = types.SimpleNamespace(bucket_for=lambda n: 32 if n <= 32 else 48,
+                                          replay=lambda bucket, batch: replays.append((bucket, batch)) or "hidden")
+    graphs.reporter = types.SimpleNamespace(tick=lambda: None)
+    graphs.host = types.SimpleNamespace(persistent_inputs={"input_ids": torch.arange(64), "positions": torch.arange(64)})
+    graphs._dispatched = {}
+    graphs.bucket_for(20)  # this rank's count
+    graphs.bucket_for(30)  # the DP-synced count, same bucket
+    graphs.bucket_for(40)
+    assert graphs.forward_full(32) == "hidden"
+    bucket, batch = replays[0]
+    assert (bucket, batch.num_tokens) == (32, 30) and batch.inputs["positions"].shape == (32,)
+    assert graphs.forward_full(48) == "hidden" and replays[1][1].num_tokens == 40
+    with pytest.raises(BcgStateError, match="bucket 32 with no token count dispatched"):
+        graphs.forward_full(32)  # the count was the previous step's

@@ -46,13 +46,27 @@ def diagnose() -> AdapterReport:
 
 
 def attention_scope(config: BcgConfig) -> str:
-    """Where each bucket's attention runs under ``config`` (:meth:`~bcg_plugin.adapters.vllm.host.V2Host.bcg_graph_attention`)."""
+    """Where each bucket's attention runs under ``config`` on the installed vLLM
+    (:meth:`~bcg_plugin.adapters.vllm.host.V2Host.bcg_graph_attention`)."""
     if config.attention == "break":
         return "an eager break in every bucket"
+    if not graph_attention_release():
+        return "an eager break in every bucket (this vLLM release cannot keep it inside the graph; 0.28 and later can)"
     return ("inside the graph in buckets up to vLLM's max_cudagraph_capture_size (raise it to reach larger "
-            "buckets), where the V2 model runner serves a text-only model "
-            "with FLASH_ATTN (FA3) or TRITON_ATTN; an eager break in the others (the V1 runner, other "
-            "backends, larger buckets); the capture logs its choice by bucket range")
+            "buckets), where the V2 model runner serves a text-only model with FLASH_ATTN (FA3) or TRITON_ATTN, "
+            "cudagraph_mode has FULL graphs (bcg's default) and data parallelism is off; an eager break in the "
+            "others (the V1 runner, other backends, larger buckets); the capture logs its choice by bucket range")
+
+
+def graph_attention_release() -> bool:
+    """Whether the installed vLLM lets a FULL capture bound its query length by the bucket (0.28+)."""
+    from bcg_plugin.adapters.vllm.host import accepts
+
+    try:
+        from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
+    except Exception:  # the V2 runner does not import here: bcg cannot keep attention inside its graphs
+        return False
+    return accepts(prepare_inputs_to_capture, "max_query_len")
 
 
 # What serves prefill when bcg does not (vLLM's own runtimes, by its launch flags).

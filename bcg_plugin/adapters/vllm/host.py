@@ -20,6 +20,7 @@ import torch
 
 from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream, faults, hookimpl
 from bcg_plugin.adapters.vllm.config import sequence_parallel_multiple
+from bcg_plugin.adapters.vllm.log import logger
 from bcg_plugin.ladder import resolve_buckets
 
 
@@ -236,15 +237,21 @@ class V2Host(VllmHost):
 
     @hookimpl
     def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
-        # "auto" takes the same buckets as "graph": every bucket vLLM's own FULL metadata reaches. On
-        # FA3 that metadata carries a schedule of the live batch's tiles, so the worst-case grid a
-        # FULL capture launches costs little: vLLM's FULL graphs were ahead of the modes that break
-        # at attention measured beside them at every size up to 4096 tokens
-        # (benchmarks/results/vllm-0.33.0-qwen3-0.6b-*.md).
-        if graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph) is not None:
+        # "auto" takes the same buckets as "graph": every bucket vLLM's own FULL metadata reaches,
+        # as vLLM's FULL mode graphs attention at those sizes itself. On FA3 that metadata carries a
+        # schedule of the live batch's tiles, so the captured worst-case grid does little idle work.
+        reason = graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph)
+        if reason is not None:
+            if reason not in _SAID:
+                _SAID.add(reason)
+                say = logger.warning if attention == "graph" else logger.info
+                say("bcg: attention stays an eager break in every bucket: %s", reason)
             return None
         limit = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
         return [b for b in buckets if b <= limit]
+
+
+_SAID: set[str] = set()  # reasons already logged in this process (each runner's capture asks again)
 
 
 def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph: bool) -> str | None:
@@ -260,8 +267,10 @@ def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph:
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
-    if not accepts(prepare_inputs_to_capture, "max_query_len"):  # 0.28+
-        return "this vLLM release cannot bound a FULL capture's query length by the bucket"
+    if not accepts(prepare_inputs_to_capture, "max_query_len"):  # the capture's grid must cover a whole-bucket request
+        return "vLLM releases before 0.28 cannot bound a FULL capture's query length by the bucket"
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        return "data parallelism (not yet validated with attention inside the graph: docs/validation.md)"
     if not embeds_in_graph:
         return "the model takes inputs_embeds, which a FULL step does not pass"
     mode = vllm_config.compilation_config.cudagraph_mode

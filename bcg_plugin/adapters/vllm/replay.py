@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bcg_plugin import Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
+from bcg_plugin import BcgStateError, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.vllm.config import SUPPORTED_BACKENDS, bcg_config
 from bcg_plugin.adapters.vllm.host import VllmHost
 from bcg_plugin.adapters.vllm.launch import warn_declined
@@ -77,7 +77,7 @@ class VllmPrefillGraphs:
         )
         self._buckets = frozenset()
         self._graph_requests: dict[int, int] = {}
-        self._dispatched = 0
+        self._dispatched: dict[int, int] = {}  # bucket -> the token count vLLM last dispatched to it
         self._slot_mapping_probe: tuple[tuple[str, int], ...] = ()
         self.reporter = stats_reporter(self.runner.stats, reports=self._reports)
         if self._reports and METRICS_ENV not in os.environ:
@@ -130,7 +130,8 @@ class VllmPrefillGraphs:
         """The padded size vLLM should run ``num_tokens`` at, or ``None`` (eager; reason counted)."""
         bucket = self.runner.bucket_for(num_tokens)
         self.reporter.tick()
-        self._dispatched = num_tokens
+        if bucket is not None:
+            self._dispatched[bucket] = num_tokens
         return bucket
 
     def graph_requests(self, bucket: int) -> int | None:
@@ -142,10 +143,13 @@ class VllmPrefillGraphs:
         """Replay ``bucket``, whose attention is inside the graph, for the step vLLM just landed in its
         persistent buffers (V2 ``run_fullgraph``: no forward context is set, none is read).
 
-        The step's real token count is the one vLLM last dispatched (the DP-synced count under data
-        parallelism: the rows past this rank's batch then replay as vLLM's own FULL graphs run them).
+        The step's real token count is the one vLLM last dispatched to this bucket (the DP-synced
+        count under data parallelism: the rows past this rank's batch then replay as vLLM's own FULL
+        graphs run them).
         """
-        num_tokens = min(max(self._dispatched, 1), bucket)
+        num_tokens = self._dispatched.pop(bucket, None)
+        if num_tokens is None:
+            raise BcgStateError(f"vLLM replays bucket {bucket} with no token count dispatched to it")
         inputs = {name: buf[:bucket] for name, buf in self.host.persistent_inputs.items()}
         if faults.active():  # a test plugin may make the graph read metadata of another batch
             faults.graph_metadata("vllm", bucket, live=self.host.graph_metadata_buffers(),
@@ -204,6 +208,7 @@ class VllmPrefillGraphs:
         self.host.capture_metadata.clear()
         self._buckets = frozenset()
         self._graph_requests = {}
+        self._dispatched = {}
 
 
 def slot_mapping_probe(context: Any) -> tuple[tuple[str, int], ...]:

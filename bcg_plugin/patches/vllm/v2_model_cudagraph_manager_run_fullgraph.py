@@ -1,8 +1,10 @@
 """V2 ``ModelCudaGraphManager.run_fullgraph``: replay a bcg bucket whose attention is inside the graph.
 
 vLLM calls it for a FULL descriptor once it has landed the step's inputs and attention metadata in
-its persistent buffers. The descriptors bcg's dispatch gives out are never among vLLM's own graphs,
-so a descriptor vLLM captured itself (its FULL decode graphs) always goes to the original.
+its persistent buffers. Only a descriptor bcg's dispatch gives out (a bucket with attention inside
+bcg's graph, padded to that bucket's request count, never one of vLLM's own graphs) goes to bcg;
+any other, its FULL decode graphs included, to the original. vLLM's offloader is synchronised first,
+as the original does before any FULL replay: its prefetch copies must land before a graph reads them.
 """
 
 from __future__ import annotations
@@ -16,8 +18,12 @@ def make(original):
     @functools.wraps(original)
     def run_fullgraph(self, desc):
         graphs = getattr(self, "_bcg_graphs", None)
-        if graphs is None or desc in self.graphs:
+        requests = None if graphs is None or desc in self.graphs else graphs.graph_requests(desc.num_tokens)
+        if requests is None or requests != desc.num_reqs:
             return original(self, desc)
+        from vllm.model_executor.offloader.base import get_offloader
+
+        get_offloader().sync_prev_onload()
         return graphs.forward_full(desc.num_tokens)
 
     return run_fullgraph
