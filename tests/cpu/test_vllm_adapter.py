@@ -906,6 +906,16 @@ def test_dp_expert_parallel_is_served_with_capturable_all2all():
     assert "DeepEP high-throughput" in unsupported_reason(cfg("deepep_high_throughput"))
 
 
+@pytest.mark.parametrize("fast_prefill", [False, True])
+def test_kv_sharing_fast_prefill_is_declined(fast_prefill):
+    from bcg_plugin.adapters.vllm.config import unsupported_reason
+
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False),
+                                   cache_config=types.SimpleNamespace(kv_sharing_fast_prefill=fast_prefill))
+    reason = unsupported_reason(config)
+    assert reason == ("kv_sharing_fast_prefill is not supported by bcg prefill graphs" if fast_prefill else None)
+
+
 def test_the_cores_log_lines_reach_vllms_handlers_once_the_runner_set_is_applied(monkeypatch):
     """vLLM's logging config covers only ``vllm.*``: the core's capture summary is routed there."""
     import logging

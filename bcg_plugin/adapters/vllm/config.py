@@ -82,6 +82,8 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         (_flag(model, "is_hybrid") or _flag(model, "is_attention_free"), "hybrid / attention-free models"),
         (_flag(model, "uses_mrope") or bool(_attr(model, "uses_xdrope_dim", 0)), "multi-dimensional RoPE positions"),
         (bool(getattr(cache, "calculate_kv_scales", False)), "calculate_kv_scales"),
+        # The later layers then run on a subset of the step's tokens, dispatched again at that size.
+        (bool(getattr(cache, "kv_sharing_fast_prefill", False)), "kv_sharing_fast_prefill"),
     ]
     for failed, what in checks:
         if failed:
