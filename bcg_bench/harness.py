@@ -269,7 +269,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     lines = [
         f"# {result['engine']} {result['engine_version']}: {result['model']['name']} (dummy weights, bf16)",
         "",
-        f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}{_layout(result)}. "
+        f"{result['date']} on {result['gpu']}, torch {result['env']['torch']}{_layout(result)}.{_source(result)} "
         "One request of N prompt tokens, "
         "one output token; every mode in its own process, same run"
         + (", sizes interleaved within each mode" if any(d.get("size_order") == "interleaved"
@@ -323,6 +323,14 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _source(result: dict) -> str:
+    """" bcg-plugin 0.1.0 at <commit>." where the result records them (older results do not)."""
+    env = result.get("env") or {}
+    if not env.get("bcg_plugin") and not env.get("commit"):
+        return ""
+    return f" bcg-plugin {env.get('bcg_plugin') or '?'} at {env.get('commit') or 'an unrecorded commit'}."
+
+
 def _footprint(good: dict) -> list[str]:
     """The device memory each mode holds beyond its KV cache once every N was served, and bcg's
     over each mode's; empty unless some mode measured it."""
@@ -347,12 +355,16 @@ def _footprint(good: dict) -> list[str]:
 
 def break_cost(good: dict, layers: int | None, sizes: list[str]) -> dict[str, float]:
     """Per N, the host time one attention break costs (ms): ``bcg_break``'s host time issuing the
-    forward less ``bcg_graph``'s, over the model's layers (one attention break each); empty unless
-    both modes measured it."""
+    forward less ``bcg_graph``'s, over the model's layers (one attention break each in the dense
+    models the bench runs), at the sizes whose bucket ``bcg_graph`` captured with attention inside
+    (``graph_attention_buckets``; above them both modes break and the difference is noise); empty
+    unless both modes measured it."""
     brk, inline = ((good.get(m) or {}).get("forward_host_ms") or {} for m in ("bcg_break", "bcg_graph"))
-    if not layers:
+    inside = (good.get("bcg_graph") or {}).get("graph_attention_buckets") or []
+    if not layers or not inside:
         return {}
-    return {n: (brk[n] - inline[n]) / layers for n in sizes if n in brk and n in inline}
+    return {n: (brk[n] - inline[n]) / layers for n in sizes
+            if n in brk and n in inline and int(n) <= max(inside)}
 
 
 def _break_cost_section(per_break: dict[str, float]) -> list[str]:
@@ -360,8 +372,10 @@ def _break_cost_section(per_break: dict[str, float]) -> list[str]:
         return []
     return ["## Host time per attention break", "",
             "The host time issuing the forward in `bcg_break` less `bcg_graph`'s, over the model's layers: what "
-            "each eager attention step costs the host where the bucket could keep attention inside the graph "
-            "(near 0 where `bcg_graph` breaks too).", "",
+            "each eager attention step costs the host, at the sizes where `bcg_graph` kept attention inside the "
+            "graph. `bcg_graph`'s timer starts after vLLM landed the step's metadata (its FULL replay), "
+            "`bcg_break`'s around the model call, which includes bcg's input landing: the difference holds "
+            "that landing too.", "",
             *_table(list(per_break), {"µs per break": {n: v * 1e3 for n, v in per_break.items()}}, 1), ""]
 
 

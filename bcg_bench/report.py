@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import os
 import platform
 import sys
@@ -12,8 +13,40 @@ INSTALL_BENCH = 'pip install "bcg-plugin[bench]" (from a checkout: pip install "
 NO_PLOTS = f"matplotlib is not installed, so no plots were drawn; to draw them: {INSTALL_BENCH}"
 
 
+def _checkout_head(start: Path) -> str | None:
+    """The commit a git checkout holding ``start`` has checked out, read from its files."""
+    for folder in (start, *start.parents):
+        git = folder / ".git"
+        if not git.is_dir():
+            continue
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[5:]
+        if (git / ref).is_file():
+            return (git / ref).read_text().strip()
+        packed = git / "packed-refs"
+        for line in packed.read_text().splitlines() if packed.is_file() else []:
+            if line.endswith(" " + ref):
+                return line.split()[0]
+        return None
+    return None
+
+
+def plugin_source() -> dict:
+    """The bcg-plugin release and the commit of the tree that ran: ``GIT_COMMIT`` where the tree
+    was copied without its git folder (as onto a GPU host), else the checkout's own ``HEAD``;
+    ``None`` where neither is known."""
+    try:
+        version = importlib.metadata.version("bcg-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    commit = os.environ.get("GIT_COMMIT") or _checkout_head(Path(__file__).resolve().parent)
+    return {"bcg_plugin": version, "commit": commit[:12] if commit else None}
+
+
 def environment() -> dict:
-    """Date, GPU, torch/CUDA versions: stamped into every result file."""
+    """Date, GPU, torch/CUDA versions and the plugin's source: stamped into every result file."""
     import torch  # here, not at import: `bcg bench --help` runs without torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
@@ -24,6 +57,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        **plugin_source(),
     }
 
 

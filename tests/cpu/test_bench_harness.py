@@ -1,6 +1,8 @@
 """The engine benchmark harness without an engine: per-mode scripts replaced by a fake one."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -365,12 +367,16 @@ def _vllm_result(modes: dict, sizes: list[int], layers: int | None = 28) -> dict
 
 def test_report_gives_the_host_time_per_attention_break_when_both_attention_modes_ran():
     modes = {"bcg_break": {"e2e_ms": {"16": 5.0, "256": 6.0}, "forward_host_ms": {"16": 3.0, "256": 3.5}},
-             "bcg_graph": {"e2e_ms": {"16": 4.0, "256": 6.0}, "forward_host_ms": {"16": 1.6, "256": 3.5}}}
+             "bcg_graph": {"e2e_ms": {"16": 4.0, "256": 6.0}, "forward_host_ms": {"16": 1.6, "256": 3.5},
+                           "graph_attention_buckets": [16, 32, 64, 128]}}
     section = harness.to_markdown(_vllm_result(modes, [16, 256])).split("## Host time per attention break", 1)[1]
     assert "| 16 | 50.0 |" in section  # (3.0 - 1.6) ms over 28 layers
-    assert "| 256 | 0.0 |" in section.split("##")[0]  # a bucket where bcg_graph breaks too
-    assert harness.break_cost(modes, 28, ["16", "256"]) == pytest.approx({"16": 0.05, "256": 0.0})
+    assert "| 256 |" not in section.split("##")[0]  # a bucket where bcg_graph breaks too
+    assert harness.break_cost(modes, 28, ["16", "256"]) == pytest.approx({"16": 0.05})
     assert "per attention break" not in harness.to_markdown(_vllm_result(modes, [16, 256], layers=None))
+    inside = modes["bcg_graph"].pop("graph_attention_buckets")  # a bcg_graph that captured none inside
+    assert harness.break_cost(modes, 28, ["16", "256"]) == {}
+    modes["bcg_graph"]["graph_attention_buckets"] = inside
     del modes["bcg_graph"]
     assert "per attention break" not in harness.to_markdown(_vllm_result(modes, [16, 256]))
 
@@ -395,3 +401,21 @@ def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, 
     assert "| 256 |" not in section.split("\n##")[0]
     data["copy_bandwidth_gbs"] = None  # a mode that did not measure it (tp > 1) has no floor
     assert harness.weight_floor(data) is None
+
+
+def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
+    """A copied tree without git (a GPU host) is named by GIT_COMMIT; the report's header carries it."""
+    from bcg_bench import report
+
+    monkeypatch.setenv("GIT_COMMIT", "0123abcd")
+    monkeypatch.setattr(report.importlib.metadata, "version", lambda name: "9.9.9")
+    assert report.plugin_source() == {"bcg_plugin": "9.9.9", "commit": "0123abcd"}
+    result = _vllm_result({"bcg": {"e2e_ms": {"16": 4.0}}}, [16])
+    monkeypatch.delenv("GIT_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(report.__file__).parent, capture_output=True,
+                          text=True).stdout.strip()
+    assert head and report.plugin_source()["commit"] == head[:12]  # read from the checkout's own files
+    assert "bcg-plugin" not in harness.to_markdown(result)  # results written before the stamp existed
+    monkeypatch.setenv("GIT_COMMIT", "0123abcd")
+    result["env"].update(report.plugin_source())
+    assert ", torch 2.11.0. bcg-plugin 9.9.9 at 0123abcd. One request" in harness.to_markdown(result).splitlines()[2]

@@ -95,6 +95,8 @@ ENGINES = {
     # the graphs read the seq_lens landed at capture instead of the step's (stale_graph_metadata.py)
     "stale_graph_fa": {"backend": "FLASH_ATTN", "bcg": True, "attention": "graph", "graph_max": CHUNK,
                        "env": {"BCG_TEST_FAULTS": "stale_graph_metadata"}},
+    "stale_graph_triton": {"backend": "TRITON_ATTN", "bcg": True, "attention": "graph", "graph_max": CHUNK,
+                           "env": {"BCG_TEST_FAULTS": "stale_graph_metadata"}},
     "eager_fa_v1": {"backend": "FLASH_ATTN", "bcg": False, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
     "bcg_fa_v1": {"backend": "FLASH_ATTN", "bcg": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
     "eager_triton": {"backend": "TRITON_ATTN", "bcg": False},
@@ -390,19 +392,22 @@ def test_graph_attention_matches_eager(engines, bcg_name, ref_name, inside):
     assert bad == [], f"{len(bad)}/{NUM_PROMPTS} prompts differ from {ref_name} beyond tolerance: {bad[:20]}"
 
 
-def test_stale_graph_metadata_fails_the_same_check(engines):
-    """Negative control for graph attention: the captured kernels read seq_lens left as the bucket's
-    capture wrote them, not the step's (the fault plugin rewrites them after vLLM landed the step's)."""
+@pytest.mark.parametrize("stale_name, ref_name", [("stale_graph_fa", "eager_fa"),
+                                                  ("stale_graph_triton", "eager_triton")])
+def test_stale_graph_metadata_fails_the_same_check(engines, stale_name, ref_name):
+    """Negative control for graph attention, one per backend whose graphs the check above passes: the
+    captured kernels read seq_lens left as the bucket's capture wrote them, not the step's (the fault
+    plugin rewrites them after vLLM landed the step's)."""
     if not graph_attention_expected():
         pytest.skip("this vLLM release keeps attention an eager break in every bucket")
-    ref = _ok(engines("eager_fa"), "eager_fa")
-    run = engines("stale_graph_fa")
+    ref = _ok(engines(ref_name), ref_name)
+    run = engines(stale_name)
     if "error" in run:
         pytest.fail(f"the stale-graph-metadata engine crashed instead of producing wrong outputs "
                     f"(inconclusive negative control):\n{run['log']}")
     _assert_bcg_ran(run)
     bad = mismatches(run["results"], ref["results"])
-    print(f"[bcg gpu] stale-graph-metadata control: {len(bad)}/{NUM_PROMPTS} prompts beyond tolerance")
+    print(f"[bcg gpu] stale-graph-metadata control ({stale_name}): {len(bad)}/{NUM_PROMPTS} prompts beyond tolerance")
     assert len(bad) >= NUM_PROMPTS // 10, f"only {len(bad)} prompts differ: the check cannot see stale graph metadata"
 
 
