@@ -54,11 +54,10 @@ class BcgConfig:
             ``cudagraph_mode`` with FULL graphs, no data parallelism, buckets up to its
             ``max_cudagraph_capture_size``), so a small batch replays one graph with no eager step;
             the other buckets break. ``"break"``: an eager call between graph segments in every
-            bucket, sized for the live batch. ``"auto"``: the host's choice per bucket, in the graph
-            where its kernel, launched on the grid captured for the bucket's worst case, does not
-            lose to the eager call sized for the live batch (vLLM: the same buckets as ``"graph"``,
-            those vLLM's own FULL mode keeps attention inside the graph for). The choice per bucket is logged with the
-            capture summary and shown by ``bcg doctor``.
+            bucket, sized for the live batch. ``"auto"``: the host's default per bucket (vLLM: the
+            same buckets as ``"graph"``, the sizes vLLM's own FULL mode keeps attention inside the
+            graph for). The choice per bucket is logged with the capture summary and shown by
+            ``bcg doctor``.
     """
 
     enable: bool = False

@@ -101,8 +101,9 @@ class BcgHostSpec:
 
         ``attention`` is the config's choice, ``"graph"`` or ``"auto"`` (``"break"`` never asks).
         For ``"graph"``: every bucket whose attention the host can run from buffers fixed per
-        bucket, landing each batch's metadata into them before the replay; for ``"auto"``: those
-        of them where the captured kernel does not lose to the eager call. In those buckets every
+        bucket, landing each batch's metadata into them before the replay; for ``"auto"``: the
+        host's default among them (for example the sizes its own full-graph mode keeps attention
+        inside the graph for). In those buckets every
         break made with ``eager_break(..., capturable=True)`` is captured inline, and
         :meth:`bcg_dummy_batch` is asked for graph-resident metadata. The answer must be the same
         on every rank. ``None``: attention breaks in every bucket.

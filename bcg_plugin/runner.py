@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import pluggy
@@ -254,10 +254,23 @@ class PrefillGraphRunner:
         if self.config.attention == "break":
             return frozenset()
         chosen = self._hook.bcg_graph_attention(buckets=list(self.buckets), attention=self.config.attention)
-        unknown = sorted(set(chosen or ()) - set(self.buckets))
+        if chosen is None:
+            return frozenset()
+        if isinstance(chosen, (str, bytes)) or not isinstance(chosen, Iterable):
+            raise BcgStateError(f"bcg_graph_attention returned {chosen!r}: a list of buckets or None was expected")
+        chosen = frozenset(chosen)
+        unknown = sorted(chosen - set(self.buckets))
         if unknown:
             raise BcgStateError(f"bcg_graph_attention returned {unknown}, which are not buckets of this runner")
-        return frozenset(chosen or ())
+        # A dummy-batch hook that cannot be asked for graph-resident metadata would build a break's
+        # batch, and the inline attention would replay reading the capture's metadata forever.
+        blind = [impl.plugin_name for impl in self._hook.bcg_dummy_batch.get_hookimpls()
+                 if "graph_attention" not in impl.argnames]
+        if chosen and blind:
+            raise BcgStateError(f"bcg_graph_attention chose {len(chosen)} buckets, but bcg_dummy_batch of "
+                                f"{', '.join(blind)} takes no graph_attention argument, so it cannot build their "
+                                "capture batch; take it, or return None from bcg_graph_attention")
+        return chosen
 
     def _fallback_stream(self) -> torch.cuda.Stream:
         """The capture stream for hosts that name none: ``torch.cuda.graph``'s own, else one for the runner's life.

@@ -104,6 +104,41 @@ def test_an_attention_plan_naming_no_bucket_of_the_runner_is_refused():
         runner._plan_attention()
 
 
+class _DummyBatchOf:
+    """A dummy-batch hook that does, or (like hooks written before graph attention) does not, take
+    ``graph_attention``."""
+
+    def __init__(self, takes_graph_attention):
+        if takes_graph_attention:
+            self.bcg_dummy_batch = hookimpl(lambda num_tokens, graph_attention: None)
+        else:
+            self.bcg_dummy_batch = hookimpl(lambda num_tokens: None)
+
+
+@pytest.mark.parametrize("takes", [True, False])
+def test_a_plan_for_graph_attention_needs_a_dummy_batch_hook_that_can_build_its_capture_batch(takes):
+    """A hook that cannot be asked for graph-resident metadata builds a break's batch; captured inline,
+    attention would replay the capture's metadata. Refused before any bucket is captured."""
+    runner = PrefillGraphRunner(plugin_manager(_GraphAttention([16]), _DummyBatchOf(takes)),
+                                BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32, device="cpu")
+    if takes:
+        assert runner._plan_attention() == {16}
+    else:
+        with pytest.raises(BcgStateError, match="takes no graph_attention argument"):
+            runner._plan_attention()
+    runner = PrefillGraphRunner(plugin_manager(_GraphAttention(None), _DummyBatchOf(False)),
+                                BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32, device="cpu")
+    assert runner._plan_attention() == frozenset()  # no graph attention asked of it: nothing to refuse
+
+
+@pytest.mark.parametrize("answer", [True, "16", 16])
+def test_an_attention_plan_that_is_not_a_list_of_buckets_is_refused_with_what_was_returned(answer):
+    runner = PrefillGraphRunner(plugin_manager(_GraphAttention(answer)), BcgConfig(enable=True, sizes=(16, 32)),
+                                chunk_size=32, device="cpu")
+    with pytest.raises(BcgStateError, match="a list of buckets or None was expected"):
+        runner._plan_attention()
+
+
 def test_a_host_without_graph_attention_breaks_everywhere_and_the_summary_says_where_attention_runs():
     from bcg_plugin.runner import attention_summary
 

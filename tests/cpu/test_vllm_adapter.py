@@ -407,8 +407,9 @@ def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_v
             bcg.append(bucket)
             return "bcg hidden"
 
-    def desc(num_tokens, num_reqs):
-        return type("Desc", (), {"num_tokens": num_tokens, "num_reqs": num_reqs})()
+    def desc(num_tokens, num_reqs, **shape):
+        fields = {"uniform_token_count": None, "max_query_len": None, "num_ubatches": 1, **shape}
+        return type("Desc", (), {"num_tokens": num_tokens, "num_reqs": num_reqs, **fields})()
 
     run = mod.PATCH.make(lambda self, desc: "vllm hidden")
     own = desc(32, 24)
@@ -416,6 +417,10 @@ def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_v
     assert run(manager, own) == "vllm hidden"  # a FULL graph vLLM captured itself
     assert run(manager, desc(48, None)) == "vllm hidden"  # a bucket where attention breaks: not bcg's FULL replay
     assert run(manager, desc(32, 32)) == "vllm hidden"  # padded to other than the bucket's requests
+    # vLLM's decode descriptors can carry bcg's counts; one it did not capture is still vLLM's to answer
+    assert run(manager, desc(32, 24, max_query_len=2)) == "vllm hidden"  # varlen decode
+    assert run(manager, desc(32, 24, uniform_token_count=1)) == "vllm hidden"  # uniform decode
+    assert run(manager, desc(32, 24, num_ubatches=2)) == "vllm hidden"  # microbatched
     assert run(manager, desc(32, 24)) == "bcg hidden" and bcg == [32]
     assert synced == [0]  # the offloader's copies are waited for before bcg's graph reads
     assert run(types.SimpleNamespace(graphs={}), desc(32, 24)) == "vllm hidden"  # bcg not running here
@@ -597,6 +602,7 @@ def _graphs_with_bucket_64(capture_contexts: dict | None = None):
 
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._buckets = frozenset({64})
+    graphs._graph_requests = {}
     graphs._slot_mapping_probe = ()
     graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts=capture_contexts or {})
     return graphs
@@ -612,6 +618,8 @@ def test_dummy_forward_without_attention_metadata_replays_every_row_as_padding()
     assert batch.requested_tokens == 0  # counted as padding, not as 64 real tokens
     assert graphs._host_batch(context, inputs, 64) is None  # a real step always has metadata
     assert graphs._host_batch(context, inputs, 48, dummy=True) is None  # no graph at that size
+    graphs._graph_requests = {64: 8}  # the same bucket captured with attention inside
+    assert graphs._host_batch(context, inputs, 64, dummy=True) is None  # never on PIECEWISE metadata
 
 
 @pytest.mark.parametrize("takes_stream", [True, False])
@@ -1149,9 +1157,10 @@ def test_a_graph_attention_bucket_is_captured_with_vllms_full_metadata_for_its_p
 
 
 def test_a_full_replay_lands_the_count_last_dispatched_to_its_bucket_and_refuses_one_never_dispatched():
-    """A FULL step passes no batch: the real rows are those vLLM dispatched to the bucket (under data
-    parallelism the synced count, dispatched last); a replay with none dispatched is refused, not
-    guessed (rows cut below vLLM's logits indices would be lost)."""
+    """A FULL step passes no batch: the real rows are those vLLM last dispatched to the bucket (a
+    dispatch that was not replayed is overwritten by the step's own);
+    a replay with none dispatched is refused, not guessed (rows cut below vLLM's logits indices would
+    be lost)."""
     from bcg_plugin import BcgStateError
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
 
@@ -1162,8 +1171,8 @@ def test_a_full_replay_lands_the_count_last_dispatched_to_its_bucket_and_refuses
     graphs.reporter = types.SimpleNamespace(tick=lambda: None)
     graphs.host = types.SimpleNamespace(persistent_inputs={"input_ids": torch.arange(64), "positions": torch.arange(64)})
     graphs._dispatched = {}
-    graphs.bucket_for(20)  # this rank's count
-    graphs.bucket_for(30)  # the DP-synced count, same bucket
+    graphs.bucket_for(20)  # dispatched, never replayed
+    graphs.bucket_for(30)  # the step's count, same bucket
     graphs.bucket_for(40)
     assert graphs.forward_full(32) == "hidden"
     bucket, batch = replays[0]

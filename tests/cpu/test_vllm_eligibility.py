@@ -319,7 +319,7 @@ def test_replay_checks_every_kv_cache_groups_slot_mapping_buffer():
     assert sorted(layer for layer, _ in probe) == ["full.0", "window.1"]
 
     graphs = object.__new__(VllmPrefillGraphs)
-    graphs._buckets, graphs._slot_mapping_probe = frozenset({64}), probe
+    graphs._buckets, graphs._slot_mapping_probe, graphs._graph_requests = frozenset({64}), probe, {}
     graphs.host = types.SimpleNamespace(embeds_in_graph=True, capture_contexts={})
     inputs = {"input_ids": torch.zeros(64, dtype=torch.int32), "positions": torch.zeros(64, dtype=torch.int64)}
 

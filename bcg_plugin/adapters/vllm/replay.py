@@ -143,9 +143,9 @@ class VllmPrefillGraphs:
         """Replay ``bucket``, whose attention is inside the graph, for the step vLLM just landed in its
         persistent buffers (V2 ``run_fullgraph``: no forward context is set, none is read).
 
-        The step's real token count is the one vLLM last dispatched to this bucket (the DP-synced
-        count under data parallelism: the rows past this rank's batch then replay as vLLM's own FULL
-        graphs run them).
+        The step's real token count is the one vLLM last dispatched to this bucket: this rank's own,
+        as graph attention is declined under data parallelism (where the dispatched count would be
+        the count synced across ranks, and the rows past this rank's batch would go unscrubbed).
         """
         num_tokens = self._dispatched.pop(bucket, None)
         if num_tokens is None:
@@ -181,6 +181,8 @@ class VllmPrefillGraphs:
                     dummy: bool = False) -> HostBatch | None:
         if bucket not in self._buckets:
             return None  # a size vLLM padded to on its own (V1 DP re-dispatch): no graph for it
+        if bucket in self._graph_requests:
+            return None  # its kernels read FULL-mode metadata padded to its request count; this step's is not
         if any(v is not None for k, v in model_inputs.items() if k not in _GRAPH_INPUTS):
             return None  # extra model inputs (intermediate tensors, model kwargs) are not captured
         requested = None

@@ -14,11 +14,20 @@ import functools
 from bcg_plugin.patches._patch import NOT_FILED, Patch, Wrap
 
 
+def _bcg_shape(desc) -> bool:
+    """Whether ``desc`` has the shape bcg's dispatch gives out: a mixed batch, neither a uniform nor a
+    varlen decode (whose token and request counts can equal a bcg bucket's), in one microbatch."""
+    return (getattr(desc, "uniform_token_count", None) is None and getattr(desc, "max_query_len", None) is None
+            and getattr(desc, "num_ubatches", 1) == 1)
+
+
 def make(original):
     @functools.wraps(original)
     def run_fullgraph(self, desc):
         graphs = getattr(self, "_bcg_graphs", None)
-        requests = None if graphs is None or desc in self.graphs else graphs.graph_requests(desc.num_tokens)
+        requests = None
+        if graphs is not None and desc not in self.graphs and _bcg_shape(desc):
+            requests = graphs.graph_requests(desc.num_tokens)
         if requests is None or requests != desc.num_reqs:
             return original(self, desc)
         from vllm.model_executor.offloader.base import get_offloader
