@@ -363,8 +363,8 @@ def break_cost(good: dict, layers: int | None, sizes: list[str]) -> dict[str, fl
     inside = (good.get("bcg_graph") or {}).get("graph_attention_buckets") or []
     if not layers or not inside:
         return {}
-    return {n: (brk[n] - inline[n]) / layers for n in sizes
-            if n in brk and n in inline and int(n) <= max(inside)}
+    top = max(inside)
+    return {n: (brk[n] - inline[n]) / layers for n in sizes if n in brk and n in inline and int(n) <= top}
 
 
 def _break_cost_section(per_break: dict[str, float]) -> list[str]:

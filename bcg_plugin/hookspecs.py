@@ -103,8 +103,8 @@ class BcgHostSpec:
         For ``"graph"``: every bucket whose attention the host can run from buffers fixed per
         bucket, landing each batch's metadata into them before the replay; for ``"auto"``: the
         host's default among them (for example the sizes its own full-graph mode keeps attention
-        inside the graph for). In those buckets every
-        break made with ``eager_break(..., capturable=True)`` is captured inline, and
+        inside the graph for). In those buckets every break made with
+        ``eager_break(..., capturable=True)`` is captured inline, and
         :meth:`bcg_dummy_batch` is asked for graph-resident metadata. The answer must be the same
         on every rank. ``None``: attention breaks in every bucket.
         """

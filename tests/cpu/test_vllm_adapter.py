@@ -1158,9 +1158,8 @@ def test_a_graph_attention_bucket_is_captured_with_vllms_full_metadata_for_its_p
 
 def test_a_full_replay_lands_the_count_last_dispatched_to_its_bucket_and_refuses_one_never_dispatched():
     """A FULL step passes no batch: the real rows are those vLLM last dispatched to the bucket (a
-    dispatch that was not replayed is overwritten by the step's own);
-    a replay with none dispatched is refused, not guessed (rows cut below vLLM's logits indices would
-    be lost)."""
+    dispatch that was not replayed is overwritten by the step's own); a replay with none dispatched
+    is refused, not guessed (rows cut below vLLM's logits indices would be lost)."""
     from bcg_plugin import BcgStateError
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
 

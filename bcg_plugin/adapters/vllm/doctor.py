@@ -53,8 +53,8 @@ def attention_scope(config: BcgConfig) -> str:
     if not graph_attention_release():
         return "an eager break in every bucket (this vLLM release cannot keep it inside the graph; 0.28 and later can)"
     return ("inside the graph in buckets up to vLLM's max_cudagraph_capture_size (the size up to which vLLM "
-            "captures FULL graphs itself), where the V2 model runner serves a text-only model with FLASH_ATTN (FA3) or TRITON_ATTN, "
-            "cudagraph_mode has FULL graphs (bcg's default) and data parallelism is off; an eager break in the "
+            "captures FULL graphs itself), where the V2 model runner serves a text-only model with FLASH_ATTN "
+            "(FA3) or TRITON_ATTN, cudagraph_mode has FULL graphs (bcg's default) and data parallelism is off; an eager break in the "
             "others (the V1 runner, other backends, larger buckets); the capture logs its choice by bucket range")
 
 
