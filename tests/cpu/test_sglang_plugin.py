@@ -208,6 +208,33 @@ def test_layers_reason_rejects_what_bcg_does_not_capture():
     assert "is not (input_ids, positions, forward_batch" in eligibility.layers_reason(dense, OtherSignature())
 
 
+def test_layers_reason_reads_the_a2a_backend_sglang_resolved(monkeypatch):
+    """SGLang may resolve an all-to-all backend the operator did not name (MegaMoE); the launch
+    record then still says "none", so the check must read SGLang's resolved value."""
+    from sglang.srt.layers.moe import utils as moe_utils
+
+    class Body:
+        def forward(self, input_ids, positions, forward_batch):
+            return None
+
+    moe = types.SimpleNamespace(server_args=types.SimpleNamespace(moe_a2a_backend="none"),
+                                moe_layers=[object()], dsa_indexers=None, mha_companion_layers=None)
+    monkeypatch.setattr(moe_utils, "get_moe_a2a_backend", lambda: moe_utils.MoeA2ABackend("deepep"))
+    assert "all-to-all backend 'deepep'" in eligibility.layers_reason(moe, Body())
+    monkeypatch.setattr(moe_utils, "get_moe_a2a_backend", lambda: moe_utils.MoeA2ABackend.NONE)
+    assert eligibility.layers_reason(moe, Body()) is None
+
+
+def test_decode_context_parallelism_is_read_where_the_release_keeps_it(monkeypatch):
+    """Through 0.5.22 the runner carries ``dcp_size``; 0.5.23 keeps it in the parallel context only."""
+    from sglang.srt import runtime_context
+
+    assert eligibility._dcp_size(types.SimpleNamespace(dcp_size=4)) == 4
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: types.SimpleNamespace(attn_dcp_size=2),
+                        raising=False)
+    assert eligibility._dcp_size(types.SimpleNamespace()) == 2
+
+
 def vote_runner(sizes=(16, 32, 64), ratio=None):
     """A BcgPrefillRunner whose core is a real, CPU-built core marked captured (no GPU work)."""
     cfg = BcgConfig(enable=True, sizes=sizes, max_padding_ratio=ratio)

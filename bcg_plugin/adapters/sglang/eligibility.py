@@ -35,7 +35,7 @@ def runner_reason(model_runner: Any) -> str | None:
         return "LoRA adapters"
     if model_runner.pp_group.world_size > 1:
         return "pipeline parallelism"
-    if getattr(model_runner, "dcp_size", 1) > 1:
+    if _dcp_size(model_runner) > 1:
         return "decode context parallelism"
     if model_runner.model_config.is_multimodal:
         return "multimodal model"
@@ -54,7 +54,7 @@ def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
     so every rank replays in lockstep), except with an all-to-all MoE backend: SGLang runs that
     dispatch as an eager node of its own breakable graphs, a break bcg does not own.
     """
-    a2a = getattr(model_runner.server_args, "moe_a2a_backend", "none")
+    a2a = _moe_a2a_backend(model_runner.server_args)
     if a2a not in (None, "none") and any(x is not None for x in getattr(model_runner, "moe_layers", None) or ()):
         return f"MoE all-to-all backend {a2a!r} (its dispatch is a break bcg does not own)"
     for name in ("dsa_indexers", "mha_companion_layers"):
@@ -64,3 +64,33 @@ def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
     if params[:3] != ["input_ids", "positions", "forward_batch"]:
         return f"{type(layer_model).__name__}.forward{tuple(params)} is not (input_ids, positions, forward_batch, ...)"
     return None
+
+
+def _dcp_size(model_runner: Any) -> int:
+    """The decode-context-parallel width: the runner's own through 0.5.22; SGLang 0.5.23 keeps it in
+    the parallel context only (the runner has no ``dcp_size``, and the triton backend reads
+    ``attn_dcp_size`` from there)."""
+    size = getattr(model_runner, "dcp_size", None)
+    if size is not None:
+        return int(size)
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return int(getattr(parallel, "attn_dcp_size", None) or getattr(parallel, "dcp_size", 1) or 1)
+
+
+def _moe_a2a_backend(server_args: Any) -> str | None:
+    """The MoE all-to-all backend as SGLang resolved it (its resolution may pick one the operator did
+    not name, e.g. MegaMoE, and the ``ServerArgs`` record keeps the operator's input from 0.5.20),
+    else as the record holds it."""
+    try:
+        from sglang.srt.layers.moe.utils import get_moe_a2a_backend
+
+        resolved = get_moe_a2a_backend()
+    except Exception:  # no published runtime context (a unit test, early start-up)
+        resolved = None
+    if resolved is not None:
+        value = getattr(resolved, "value", resolved)
+        if value not in (None, "none"):
+            return str(value)
+    return getattr(server_args, "moe_a2a_backend", "none")
