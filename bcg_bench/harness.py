@@ -37,7 +37,7 @@ from bcg_bench.report import (
 ENGINES = {
     "vllm": {"module": "bcg_bench.vllm_mode", "package": "vllm", "profiles_workers": False,
              "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
-                       "bcg_graph", "bcg_compile"]},
+                       "bcg_graph", "bcg_compile", "bcg_compile_graph"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
                "modes": ["disabled", "native", "full", "bcg"]},
 }
@@ -295,7 +295,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
             lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
     run_order = _processes(result)
     fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
-    for mine in ("bcg", "bcg_compile"):
+    for mine in ("bcg", "bcg_compile", "bcg_compile_graph"):
         lines += _ratio_sections(good, sizes, mine, run_order, fastest, result.get("replaced") or [])
     lines += hostspeed.markdown(run_order)
     if result.get("replaced"):

@@ -7,8 +7,11 @@ to the chunk: the mode to beat where the attention backend graphs any batch mix)
 same over the plain model, vLLM's compilation off: what FULL graphs give the model bcg captures),
 ``bcg`` (bcg over the plain model, ``torch_compile`` false, attention where the config's default puts
 it), ``bcg_break`` and ``bcg_graph`` (the same with ``"attention"`` ``"break"`` and ``"graph"``: their
-difference is what a break costs), and ``bcg_compile`` (bcg with ``torch_compile``, the vLLM
-adapter's default: its graphs capture vLLM's default piecewise compilation).
+difference is what a break costs), ``bcg_compile`` (bcg with ``torch_compile``, the vLLM
+adapter's default: its graphs capture vLLM's default piecewise compilation) and
+``bcg_compile_graph`` (the same with attention inside the graph in every bucket: against
+``bcg_compile`` it tells, above ``max_cudagraph_capture_size``, whether a bucket gains by keeping
+attention inside).
 
 Each mode is one prefill runtime whatever the model: ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is ``1`` for the
 native modes (a dense model is not on the list of architectures vLLM graphs breakably by itself from
@@ -70,13 +73,14 @@ from bcg_bench.order import interleaved
 from bcg_bench.ranks import FileBarrier, free_port
 
 MODES = ("eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break", "bcg_graph",
-         "bcg_compile")
+         "bcg_compile", "bcg_compile_graph")
 # What each bcg mode pins in bcg's config, whatever BCG_* variables say: the mode names what it measures.
 BCG_MODES = {
     "bcg": {"torch_compile": False},
     "bcg_break": {"torch_compile": False, "attention": "break"},
     "bcg_graph": {"torch_compile": False, "attention": "graph"},
     "bcg_compile": {"torch_compile": True},
+    "bcg_compile_graph": {"torch_compile": True, "attention": "graph"},
 }
 COPY_BYTES = 2**30  # the device copy that measures the bandwidth of the weight-read floor
 # vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
@@ -375,7 +379,7 @@ def attention_problem(mode: str, inline: list[list[int]]) -> str | None:
     whose attention bcg captured inside the graph (empty where the runtime does not report them)."""
     if not inline:
         return None
-    if mode == "bcg_graph" and not any(inline):
+    if mode in ("bcg_graph", "bcg_compile_graph") and not any(inline):
         return ("bcg kept attention out of every graph (no bucket's attention backend could run inside it), so "
                 "its figures would be bcg_break's; the engine log's capture summary names the backend")
     if mode == "bcg_break" and any(inline):

@@ -48,16 +48,17 @@ class BcgConfig:
             too. vLLM only (its piecewise compilation already splits the body at attention); off,
             the adapter turns torch.compile off and captures the plain PyTorch model. The vLLM
             adapter defaults to on, keeping the compilation vLLM is configured with.
-        attention: where a bucket's attention runs. ``"graph"``: inside the captured graph, in every
-            bucket whose attention the host can run from buffers fixed per bucket (its full-graph
+        attention: where a bucket's attention runs. ``"graph"``: inside the captured graph in every
+            bucket, where the host can run attention from buffers fixed per bucket (its full-graph
             metadata; vLLM 0.28 and later: the V2 runner with FLASH_ATTN (FA3) or TRITON_ATTN, a
-            ``cudagraph_mode`` with FULL graphs, no data parallelism, buckets up to its
-            ``max_cudagraph_capture_size``), so a small batch replays one graph with no eager step;
-            the other buckets break. ``"break"``: an eager call between graph segments in every
-            bucket, sized for the live batch. ``"auto"``: the host's default per bucket (vLLM: the
-            same buckets as ``"graph"``, the sizes vLLM's own FULL mode keeps attention inside the
-            graph for). The choice per bucket is logged with the capture summary and shown by
-            ``bcg doctor``.
+            ``cudagraph_mode`` with FULL graphs, no data parallelism; FA3's graph bound is raised
+            from ``max_cudagraph_capture_size`` to the top bucket), so a batch replays one graph
+            with no eager step; elsewhere every bucket breaks. ``"break"``: an eager call between
+            graph segments in every bucket, sized for the live batch. ``"auto"``: the host's
+            default per bucket (vLLM: inside the graph in buckets up to
+            ``max_cudagraph_capture_size``, the sizes vLLM's own FULL mode keeps attention inside
+            the graph for; larger buckets break). The choice per bucket is logged with the
+            capture summary and shown by ``bcg doctor``.
     """
 
     enable: bool = False

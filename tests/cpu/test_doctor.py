@@ -40,7 +40,7 @@ def test_enabled_config_says_what_the_plugin_will_do():
 @pytest.mark.vllm
 @pytest.mark.parametrize("choice, says", [
     ("auto", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size (the size"),
-    ("graph", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size (the size"),
+    ("graph", "inside the graph in every bucket (FA3's graph bound raised to the top bucket)"),
     ("break", "an eager break in every bucket"),
 ])
 def test_doctor_says_where_attention_runs_for_the_configured_choice(choice, says):

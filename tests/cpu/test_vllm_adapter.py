@@ -1067,9 +1067,10 @@ def _v2_host(vllm_config, support, embeds_in_graph=True):
     """A V2 host as far as the attention plan reads it: one attention group whose builder reports ``support``."""
     from bcg_plugin.adapters.vllm.host import V2Host
 
-    builder = types.SimpleNamespace(get_cudagraph_support=lambda config, spec: support)
-    group = types.SimpleNamespace(get_metadata_builder=lambda i=0: builder, kv_cache_spec=None,
-                                  backend=types.SimpleNamespace(get_name=lambda: "SOME_ATTN"))
+    builder = types.SimpleNamespace(get_cudagraph_support=lambda config, spec: support,
+                                    max_cudagraph_size=vllm_config.compilation_config.max_cudagraph_capture_size)
+    group = types.SimpleNamespace(get_metadata_builder=lambda i=0: builder, metadata_builders=[builder],
+                                  kv_cache_spec=None, backend=types.SimpleNamespace(get_name=lambda: "SOME_ATTN"))
     host = object.__new__(V2Host)
     host.vllm_config, host.attn_groups, host.embeds_in_graph = vllm_config, [[group]], embeds_in_graph
     return host
@@ -1077,7 +1078,8 @@ def _v2_host(vllm_config, support, embeds_in_graph=True):
 
 def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vllm_model_config):
     """The plan follows vLLM's own FULL-graph rules: a backend graphing any batch mix, FULL graphs in
-    cudagraph_mode, buckets up to max_cudagraph_capture_size ("auto" as "graph" on vLLM)."""
+    cudagraph_mode; "auto" keeps attention inside up to max_cudagraph_capture_size, "graph" in every
+    bucket, with the builders' graph bound (FA3's split bound) raised to the top one."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
@@ -1092,8 +1094,11 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
     if not accepts(prepare_inputs_to_capture, "max_query_len"):  # 0.26 / 0.27: every bucket breaks
         assert host.bcg_graph_attention(buckets, "graph") is None
         return
-    assert host.bcg_graph_attention(buckets, "graph") == [16, 512, 1024, 1536, 2048]
     assert host.bcg_graph_attention(buckets, "auto") == [16, 512, 1024, 1536, 2048]
+    builder = host.attn_groups[0][0].metadata_builders[0]
+    assert builder.max_cudagraph_size == 2048  # "auto" leaves vLLM's bound as configured
+    assert host.bcg_graph_attention(buckets, "graph") == buckets
+    assert builder.max_cudagraph_size == 4096  # a larger step would get FA3's split heuristic
     config.compilation_config.max_cudagraph_capture_size = 512
     assert host.bcg_graph_attention(buckets, "auto") == [16, 512]
     assert _v2_host(config, AttentionCGSupport.UNIFORM_BATCH).bcg_graph_attention(buckets, "graph") is None

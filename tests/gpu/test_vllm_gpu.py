@@ -86,16 +86,16 @@ ENGINES = {
     "eager_fa": {"backend": "FLASH_ATTN", "bcg": False},
     "bcg_fa": {"backend": "FLASH_ATTN", "bcg": True},
     "stale_fa": {"backend": "FLASH_ATTN", "bcg": True, "env": {"BCG_TEST_FAULTS": "stale_metadata"}},
-    # attention inside the graph in every bucket (vLLM's FULL-mode metadata reaches the top bucket), or
-    # an eager break in every bucket; the default engines above run "auto" (inside up to vLLM's
-    # max_cudagraph_capture_size, 128 at max_num_seqs=64)
-    "bcg_fa_graph": {"backend": "FLASH_ATTN", "bcg": True, "attention": "graph", "graph_max": CHUNK},
-    "bcg_triton_graph": {"backend": "TRITON_ATTN", "bcg": True, "attention": "graph", "graph_max": CHUNK},
+    # attention inside the graph in every bucket (bcg raises FA3's graph bound from vLLM's
+    # max_cudagraph_capture_size, 128 at max_num_seqs=64, to the top bucket), or an eager break in
+    # every bucket; the default engines above run "auto" (inside up to max_cudagraph_capture_size)
+    "bcg_fa_graph": {"backend": "FLASH_ATTN", "bcg": True, "attention": "graph"},
+    "bcg_triton_graph": {"backend": "TRITON_ATTN", "bcg": True, "attention": "graph"},
     "bcg_fa_break": {"backend": "FLASH_ATTN", "bcg": True, "attention": "break"},
     # the graphs read the seq_lens landed at capture instead of the step's (stale_graph_metadata.py)
-    "stale_graph_fa": {"backend": "FLASH_ATTN", "bcg": True, "attention": "graph", "graph_max": CHUNK,
+    "stale_graph_fa": {"backend": "FLASH_ATTN", "bcg": True, "attention": "graph",
                        "env": {"BCG_TEST_FAULTS": "stale_graph_metadata"}},
-    "stale_graph_triton": {"backend": "TRITON_ATTN", "bcg": True, "attention": "graph", "graph_max": CHUNK,
+    "stale_graph_triton": {"backend": "TRITON_ATTN", "bcg": True, "attention": "graph",
                            "env": {"BCG_TEST_FAULTS": "stale_graph_metadata"}},
     "eager_fa_v1": {"backend": "FLASH_ATTN", "bcg": False, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
     "bcg_fa_v1": {"backend": "FLASH_ATTN", "bcg": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
@@ -157,8 +157,6 @@ def run_engine(name: str, out: Path) -> None:
         # enabled, plus any BCG_* key set; over the plain model unless the engine's spec compiles
         kwargs["additional_config"] = {"bcg": {**bench_bcg_config(), "torch_compile": bool(spec.get("torch_compile")),
                                                **({"attention": spec["attention"]} if "attention" in spec else {})}}
-        if "graph_max" in spec:  # vLLM's FULL-mode metadata (and so bcg's graph attention) up to this size
-            kwargs["compilation_config"] = {"max_cudagraph_capture_size": spec["graph_max"]}
     else:
         kwargs["enforce_eager"] = not spec.get("torch_compile")
     llm = LLM(**kwargs)

@@ -237,9 +237,9 @@ class V2Host(VllmHost):
 
     @hookimpl
     def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
-        # "auto" takes the same buckets as "graph": every bucket vLLM's own FULL metadata reaches,
-        # as vLLM's FULL mode graphs attention at those sizes itself. On FA3 that metadata carries a
-        # schedule of the live batch's tiles, so the captured worst-case grid does little idle work.
+        # "auto": the buckets vLLM's own FULL metadata reaches as configured (up to
+        # max_cudagraph_capture_size), the sizes vLLM's FULL mode keeps attention inside the graph
+        # for itself. "graph": every bucket, the builders' graph bound raised to the largest.
         reason = graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph)
         if reason is not None:
             if reason not in _SAID:
@@ -247,11 +247,32 @@ class V2Host(VllmHost):
                 say = logger.warning if attention == "graph" else logger.info
                 say("bcg: attention stays an eager break in every bucket: %s", reason)
             return None
+        if attention == "graph" and buckets:
+            raise_graph_bound(self.attn_groups, max(buckets))
+            return list(buckets)
         limit = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
         return [b for b in buckets if b <= limit]
 
 
 _SAID: set[str] = set()  # reasons already logged in this process (each runner's capture asks again)
+
+
+def raise_graph_bound(attn_groups: Any, num_tokens: int) -> None:
+    """Let every metadata builder treat steps of up to ``num_tokens`` as graph steps.
+
+    FA3's builder bounds a step's KV splits (and so the size of the split buffers a captured graph
+    holds) only for steps up to its ``max_cudagraph_size``, vLLM's ``max_cudagraph_capture_size``;
+    a larger step gets FA3's own split heuristic, whose buffers a graph captured at another batch
+    mix does not hold. Raising the bound to bcg's largest graph bucket is what vLLM's FULL mode
+    does with capture sizes that reach that far; its persistent schedule buffer is sized by
+    request count (at least ``max_num_seqs``), which a bucket's padded batch does not exceed.
+    Builders without the bound (TRITON_ATTN) graph any size as they are.
+    """
+    for groups in attn_groups:
+        for group in groups:
+            for builder in getattr(group, "metadata_builders", None) or ():
+                if hasattr(builder, "max_cudagraph_size"):
+                    builder.max_cudagraph_size = max(builder.max_cudagraph_size or 0, num_tokens)
 
 
 def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph: bool) -> str | None:
