@@ -84,9 +84,15 @@ def _line_count(path: Path) -> int:
 
 def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int = 1,
         dp: int = 1) -> dict:
+    # The schedulers append to a file under it; it goes once their engine is shut down and read.
+    with tempfile.TemporaryDirectory(prefix="bcg-sglang-bench-") as tmp:
+        return _measure(Path(tmp) / "record.jsonl", mode, model, sizes, warmup, iters, seed, tp, dp)
+
+
+def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int,
+             dp: int) -> dict:
     from bcg_bench.models import model_dir
 
-    record = Path(tempfile.mkdtemp(prefix="bcg-sglang-bench-")) / "record.jsonl"
     chunk = max(max(sizes), 16)
     t0 = time.perf_counter()
     engine = sglang_timers.start_engine(

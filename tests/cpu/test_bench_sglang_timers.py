@@ -12,6 +12,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import textwrap
 import types
 
@@ -125,8 +126,8 @@ def _capture_result(runner: str, buckets: int | None):
     ("bcg", [("BcgPrefillRunner", 56), ("PrefillCudaGraphRunner", None)], "own prefill runner"),  # one rank of two
     ("native", [("PrefillCudaGraphRunner", None)], None),
 ])
-def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sglang(monkeypatch, mode, captured,
-                                                                                     problem):
+def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sglang(monkeypatch, tmp_path, mode,
+                                                                                     captured, problem):
     """The schedulers' capture records (the bench's own hook on SGLang's capture) say whether bcg's
     runner serves prefill; without it the bcg mode would time SGLang alone and call it bcg."""
     from bcg_bench import sglang_mode
@@ -147,12 +148,14 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
         return FakeEngine()
 
     monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     if problem is None:
         assert sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)["mode"] == mode
     else:
         with pytest.raises(SystemExit, match=f"bench bcg: on rank 0 .*{problem}|bench bcg: {problem}"):
             sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
     assert shut == [True]  # the engine ends either way
+    assert not list(tmp_path.glob("bcg-sglang-bench-*"))  # nor does the schedulers' record folder outlive it
 
 
 # -- how the timers reach the schedulers --------------------------------------------------------------
