@@ -467,3 +467,25 @@ def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
     result["env"].update(report.plugin_source())
     assert ", torch 2.11.0. bcg-plugin 9.9.9 at 0123abcd. One request" in harness.to_markdown(result).splitlines()[2]
 
+
+def test_the_commit_is_read_from_a_linked_worktree_as_from_a_plain_checkout(tmp_path):
+    """``git worktree add`` leaves a ``.git`` file naming the worktree's folder under the main
+    checkout's ``.git``, whose ``commondir`` holds the branches."""
+    from bcg_bench import report
+
+    main = tmp_path / "main" / ".git"
+    (main / "refs" / "heads").mkdir(parents=True)
+    (main / "refs" / "heads" / "topic").write_text("a" * 40 + "\n")
+    (main / "packed-refs").write_text("b" * 40 + " refs/heads/old\n")
+    linked = main / "worktrees" / "wt"
+    linked.mkdir(parents=True)
+    (linked / "commondir").write_text("../..\n")
+    (linked / "HEAD").write_text("ref: refs/heads/topic\n")
+    tree = tmp_path / "wt" / "pkg"
+    tree.mkdir(parents=True)
+    (tmp_path / "wt" / ".git").write_text(f"gitdir: {linked}\n")
+    assert report._checkout_head(tree) == "a" * 40
+    (linked / "HEAD").write_text("ref: refs/heads/old\n")  # a branch git packed
+    assert report._checkout_head(tree) == "b" * 40
+    (linked / "HEAD").write_text("c" * 40 + "\n")  # detached
+    assert report._checkout_head(tree) == "c" * 40
