@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bcg_bench import hostspeed, profile, targets
+from bcg_bench import hostspeed, paired, profile, targets
 from bcg_bench.models import shape_summary
 from bcg_bench.report import (
     NO_PLOTS, can_plot, environment, plot_capture_memory, plot_latency, plot_speedup, run_stamp, write_markdown,
@@ -524,19 +523,15 @@ def _paired_ratios(good: dict, sizes: list[str], *, min_pairs: int = 2, mine: st
     that mode's in the same round; only over rounds in which both ran (and ``keep(mine_round,
     other_round)`` holds), and only with ``min_pairs`` such rounds or more. With ``keep`` the column
     names how many rounds it kept."""
-    my_rounds = (good.get(mine) or {}).get("rounds") or []
     columns = {}
     for mode, data in good.items():
         if mode == mine or (only is not None and mode not in only):
             continue
-        rounds = [(a, b) for a, b in zip(my_rounds, data.get("rounds") or []) if "e2e_ms" in a and "e2e_ms" in b]
+        rounds = paired.round_pairs(good.get(mine) or {}, data)
         kept = [(a, b) for a, b in rounds if keep is None or keep(a, b)]
-        pairs = [(a["e2e_ms"], b["e2e_ms"]) for a, b in kept]
-        if len(pairs) >= min_pairs:
+        if len(kept) >= min_pairs:
             name = f"{mine} / {mode}" if keep is None else f"{mine} / {mode} ({len(kept)} of {len(rounds)})"
-            columns[name] = {
-                n: statistics.median(a[n] / b[n] for a, b in pairs) if all(n in a and n in b for a, b in pairs)
-                else None for n in sizes}
+            columns[name] = paired.medians(kept, sizes)
     return columns
 
 

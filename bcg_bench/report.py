@@ -14,18 +14,26 @@ NO_PLOTS = f"matplotlib is not installed, so no plots were drawn; to draw them: 
 
 
 def _checkout_head(start: Path) -> str | None:
-    """The commit a git checkout holding ``start`` has checked out, read from its files."""
+    """The commit a git checkout holding ``start`` has checked out, read from its files (a linked
+    worktree's ``.git`` is a file naming its folder, whose ``commondir`` holds the shared refs)."""
     for folder in (start, *start.parents):
         git = folder / ".git"
-        if not git.is_dir():
+        if git.is_file():
+            text = git.read_text().strip()
+            if not text.startswith("gitdir: "):
+                return None
+            git = folder / text[8:]
+        elif not git.is_dir():
             continue
+        common = git / (git / "commondir").read_text().strip() if (git / "commondir").is_file() else git
         head = (git / "HEAD").read_text().strip()
         if not head.startswith("ref: "):
             return head
         ref = head[5:]
-        if (git / ref).is_file():
-            return (git / ref).read_text().strip()
-        packed = git / "packed-refs"
+        for refs in dict.fromkeys((git, common)):
+            if (refs / ref).is_file():
+                return (refs / ref).read_text().strip()
+        packed = common / "packed-refs"
         for line in packed.read_text().splitlines() if packed.is_file() else []:
             if line.endswith(" " + ref):
                 return line.split()[0]

@@ -1,14 +1,21 @@
 """The engine benchmarks' targets, checked against one result file (ratios within that run only).
 
-Each target reduces the run to one figure (a worst case over the sizes it covers) and a limit. A
-target whose modes or sizes are missing from the run reads "not measured", never "met". The targets
-are set for one model on one GPU: a run of another model or layout is not checked against them.
+The targets are the product's stated targets for the bcg configurations against the engines' own
+graph modes. Each target reduces the run to one figure and a limit. A latency target's figure is,
+at each size it covers, the median over rounds of the ratio of the two modes' end-to-end latencies
+within one round (:mod:`bcg_bench.paired`), and its worst over those sizes; it needs at least
+``MIN_PAIRS`` rounds in which both modes measured every size it covers. A scalar target (seconds,
+memory) divides the two modes' figures as the result merged them over its rounds. A target whose
+modes, sizes or rounds are missing from the run reads "not measured", never "met". The targets are
+set for one model on one GPU: a run of another model or layout is not checked against them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
+from bcg_bench import paired
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +26,6 @@ class Target:
     limit: float
     figure: Callable[[dict], float | None]  # the run's worst case, or None if not measured
     at_most: bool = True
-    group: str = ""  # targets sharing a group: meeting any one of them suffices
     subject: str = "bcg"  # the mode the figure is about
 
     def check(self, modes: dict) -> tuple[float | None, bool | None]:
@@ -29,52 +35,83 @@ class Target:
         return value, value <= self.limit if self.at_most else value >= self.limit
 
 
-def _series(modes: dict, mode: str, key: str = "e2e_ms") -> dict[int, float]:
-    return {int(n): v for n, v in (modes.get(mode, {}).get(key) or {}).items()}
+MIN_PAIRS = 3  # rounds both modes of a latency target must have measured in
+SMALL_N = range(513)  # "N <= 512"
 
 
-def _worst_ratio(modes: dict, mode: str, others: list[str], key: str = "e2e_ms", sizes=None) -> float | None:
-    """The largest over N of mode / best of ``others`` at that N; ``None`` unless every one of
-    ``others`` was measured at every N the target covers."""
-    mine = {n: v for n, v in _series(modes, mode, key).items() if sizes is None or n in sizes}
-    theirs = [_series(modes, o, key) for o in others]
-    if not mine or any(n not in t for t in theirs for n in mine):
+def _measured(data: dict) -> set[int]:
+    """Every N the mode measured end to end, in any of its rounds."""
+    runs = [data] + [r for r in data.get("rounds") or [] if "e2e_ms" in r]
+    return {int(n) for r in runs for n in (r.get("e2e_ms") or {})}
+
+
+def _paired_worst(modes: dict, mode: str, other: str, sizes: range | frozenset | None = None) -> float | None:
+    """The largest over the sizes covered of the median over rounds of ``mode``'s e2e over
+    ``other``'s in the same round. Sizes covered: every N ``mode`` measured (``sizes`` None), those
+    of them in a ``range``, or exactly the N of a ``frozenset``. ``None`` unless at least
+    ``MIN_PAIRS`` rounds pair the two modes and every pair has every covered N on both sides."""
+    mine, theirs = modes.get(mode), modes.get(other)
+    if not mine or not theirs:
         return None
-    return max(mine[n] / min(t[n] for t in theirs) for n in mine)
+    measured = _measured(mine)
+    covered = sizes if isinstance(sizes, frozenset) else {n for n in measured if sizes is None or n in sizes}
+    pairs = paired.round_pairs(mine, theirs)
+    if not covered or len(pairs) < MIN_PAIRS:
+        return None
+    ratios = paired.medians(pairs, [str(n) for n in sorted(covered)])
+    if any(r is None for r in ratios.values()):
+        return None
+    return max(ratios.values())
 
 
-def _scalar_ratio(modes: dict, key: str, mode: str, other: str) -> float | None:
+def _scalar_ratio(modes: dict, key: str, mode: str, other: str, positive: bool = False) -> float | None:
+    """``mode``'s ``key`` over ``other``'s; ``None`` where either is missing, the divisor is zero,
+    or (``positive``) either is zero or negative (a figure the harness could not measure)."""
     a, b = (modes.get(mode) or {}).get(key), (modes.get(other) or {}).get(key)
-    return a / b if a is not None and b else None
+    if a is None or not b or (positive and (a <= 0 or b <= 0)):
+        return None
+    return a / b
 
 
-def _inverse(x: float | None) -> float | None:
-    return 1 / x if x else None
+def _per_bucket(modes: dict, mode: str) -> float | None:
+    """``mode``'s capture seconds over the buckets bcg captured (``bcg_buckets``, which results
+    before it was recorded lack)."""
+    data = modes.get(mode) or {}
+    seconds, buckets = data.get("capture_s"), data.get("bcg_buckets")
+    return seconds / buckets if seconds is not None and buckets else None
 
 
 TARGET_MODEL = "qwen3-0.6b"  # the model shape the targets are set for, on one GPU
 
-# The vLLM adapter's two configurations, each read against every target: plain ``bcg``
-# (``torch_compile`` false, the short start) and ``bcg_compile`` (what enabling bcg gives at vLLM's
-# default -O2: its graphs capture the compiled pieces, whose fused kernels win where the forward is
-# GPU-bound, at the compile's start-up cost).
-VLLM_CONFIGURATIONS = {"bcg": "torch_compile false", "bcg_compile": "torch_compile, the default under vLLM's -O2"}
+# The vLLM adapter's configurations, each read against every latency and capture target: plain
+# ``bcg`` (``torch_compile`` false, the short start), ``bcg_compile`` (what enabling bcg gives at
+# vLLM's default -O2: its graphs capture the compiled pieces, whose fused kernels win where the
+# forward is GPU-bound, at the compile's start-up cost) and ``bcg_compile_graph`` (the same with
+# attention inside the graph in every bucket).
+VLLM_CONFIGURATIONS = {"bcg": "torch_compile false", "bcg_compile": "torch_compile, the default under vLLM's -O2",
+                       "bcg_compile_graph": "torch_compile, attention inside the graph in every bucket"}
 
 
 def _vllm_targets(mode: str) -> list[Target]:
-    return [
-        Target(f"{mode} / best of native, native_ladder, compile (e2e, every N)", 1.02,
-               lambda m: _worst_ratio(m, mode, ["native", "native_ladder", "compile"]), group="every N",
+    targets = [
+        Target(f"{mode} / full (e2e, every N)", 1.0, lambda m: _paired_worst(m, mode, "full"), subject=mode),
+        Target(f"{mode} / native (e2e, N <= 512)", 0.9, lambda m: _paired_worst(m, mode, "native", SMALL_N),
                subject=mode),
-        Target(f"{mode} / native (e2e, N = 1024 and 2048)", 0.6,
-               lambda m: _worst_ratio(m, mode, ["native"], sizes={1024, 2048}), subject=mode),
-        Target(f"eager / {mode} (e2e, N <= 512)", 3.0,
-               lambda m: _inverse(_worst_ratio(m, mode, ["eager"], sizes=range(513))), at_most=False, subject=mode),
-        Target(f"{mode} / native (capture seconds)", 1.0, lambda m: _scalar_ratio(m, "capture_s", mode, "native"),
+        Target(f"{mode} / native_ladder (e2e, every N)", 1.0, lambda m: _paired_worst(m, mode, "native_ladder"),
                subject=mode),
-        Target(f"{mode} / native (graph memory)", 1.0, lambda m: _scalar_ratio(m, "graph_mem_gib", mode, "native"),
-               subject=mode),
+        Target(f"{mode} / compile (e2e, N = 1024 and 2048)", 0.6,
+               lambda m: _paired_worst(m, mode, "compile", frozenset({1024, 2048})), subject=mode),
+        Target(f"{mode} / native_ladder (capture seconds)", 1.0,
+               lambda m: _scalar_ratio(m, "capture_s", mode, "native_ladder"), subject=mode),
     ]
+    if mode == "bcg":
+        targets += [
+            Target("bcg / full (init seconds)", 1.0, lambda m: _scalar_ratio(m, "init_s", "bcg", "full")),
+            Target("bcg capture seconds per bucket", 0.05, lambda m: _per_bucket(m, "bcg")),
+            Target("bcg / full (graph memory)", 1.0,
+                   lambda m: _scalar_ratio(m, "graph_mem_gib", "bcg", "full", positive=True)),
+        ]
+    return targets
 
 
 CONFIGURATIONS: dict[str, dict[str, str]] = {"vllm": VLLM_CONFIGURATIONS}
@@ -82,16 +119,16 @@ CONFIGURATIONS: dict[str, dict[str, str]] = {"vllm": VLLM_CONFIGURATIONS}
 TARGETS: dict[str, list[Target]] = {
     "vllm": [t for mode in VLLM_CONFIGURATIONS for t in _vllm_targets(mode)],
     "sglang": [
-        Target("bcg / native (e2e, every N)", 1.02, lambda m: _worst_ratio(m, "bcg", ["native"])),
-        Target("bcg / native (capture seconds)", 0.75, lambda m: _scalar_ratio(m, "capture_s", "bcg", "native"),
-               group="strictly better"),
-        Target("bcg / native (graph memory)", 0.75, lambda m: _scalar_ratio(m, "graph_mem_gib", "bcg", "native"),
-               group="strictly better"),
-        Target("bcg / native (model forward, N <= 512)", 0.95,
-               lambda m: _worst_ratio(m, "bcg", ["native"], key="forward_ms", sizes=range(513)),
-               group="strictly better"),
+        Target("bcg / native (e2e, N <= 512)", 0.9, lambda m: _paired_worst(m, "bcg", "native", SMALL_N)),
+        Target("bcg / native (e2e, every N)", 1.0, lambda m: _paired_worst(m, "bcg", "native")),
+        Target("bcg / full (e2e, every N)", 1.0, lambda m: _paired_worst(m, "bcg", "full")),
+        Target("bcg / native (capture seconds)", 1.0, lambda m: _scalar_ratio(m, "capture_s", "bcg", "native")),
     ],
 }
+
+FIGURES = (f"Latency figures: the worst N of the median over rounds of per-round paired ratios (at least "
+           f"{MIN_PAIRS} rounds); scalar figures: each mode's minimum over rounds (seconds) or its first "
+           "complete round (graph memory).")
 
 
 def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict | None = None) -> list[str]:
@@ -108,21 +145,16 @@ def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict
         shape = ", ".join([model] + [f"{k} {v}" for k, v in layout.items()])
         return ["## Targets", "", f"The targets are set for the {TARGET_MODEL} shape on one GPU; this run ({shape}) "
                 "is not checked against them.", ""]
-    lines = ["## Targets (H200, Qwen3-0.6B shape)", "", "| target | limit | this run | met |", "|---|---|---|---|"]
-    groups: dict[str, list[bool | None]] = {}
+    lines = ["## Targets (H200, Qwen3-0.6B shape)", "", FIGURES, "", "| target | limit | this run | met |",
+             "|---|---|---|---|"]
     by_subject: dict[str, list[tuple[Target, bool | None]]] = {}
     for t in targets:
         value, met = t.check(modes)
         by_subject.setdefault(t.subject, []).append((t, met))
-        limit = f"{'<=' if t.at_most else '>='} {t.limit:g}" + (f" (any one of '{t.group}')" if t.group else "")
+        limit = f"{'<=' if t.at_most else '>='} {t.limit:g}"
         shown = "not measured" if value is None else f"{value:.3f}"
         verdict = "-" if met is None else ("yes" if met else "no")
         lines.append(f"| {t.label} | {limit} | {shown} | {verdict} |")
-        if t.group:
-            groups.setdefault(t.group, []).append(met)
-    for group, verdicts in groups.items():
-        state = "met" if any(verdicts) else ("not measured" if all(v is None for v in verdicts) else "not met")
-        lines += ["", f"'{group}': {state}."]
     if len(by_subject) > 1:
         lines += ["", "Each configuration against its own rows:", ""]
         lines += [_subject_summary(subject, rows, CONFIGURATIONS.get(engine, {}).get(subject))

@@ -36,7 +36,9 @@ by rows, and the LM head, applied after the timed forward) and ``copy_bandwidth_
 device-to-device copy moves per second (bytes read plus written) in the same process after the
 timed requests: the report's weight-read floor of a forward. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
-under ``torch.profiler`` (:mod:`bcg_bench.profile`).
+under ``torch.profiler`` (:mod:`bcg_bench.profile`). The bcg modes also record ``bcg_stats`` (each
+serving runner's summary line), ``bcg_buckets`` (the buckets bcg captured, which the capture
+seconds per bucket target reads) and, where the runtime reports them, ``graph_attention_buckets``.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 
@@ -363,6 +365,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
             # Without bcg's graphs this process measured vLLM alone; its figures must not pass as bcg's.
             raise SystemExit(f"bench {mode}: bcg captured nothing in this engine, so its figures would be vLLM's "
                              "without bcg; the engine log's 'bcg:' warning says why")
+        counts = [s["buckets"] for s in stats if s.get("buckets") is not None]
+        if counts:  # the buckets bcg captured (each serving runner captures the same ladder)
+            result["bcg_buckets"] = max(counts)
         inline = [s["graph_attention_buckets"] for s in stats if "graph_attention_buckets" in s]
         if inline:
             result["graph_attention_buckets"] = sorted({b for buckets in inline for b in buckets})

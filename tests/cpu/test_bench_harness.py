@@ -189,89 +189,136 @@ def test_rounds_keep_the_minimum_time_to_first_token():
     assert harness._merge_rounds(rounds)["ttft_ms"] == {"16": 3.0}
 
 
-def test_targets_are_checked_as_worst_cases_and_missing_modes_are_not_met():
+def _mode(*rounds: dict, **figures) -> dict:
+    """One mode's figures as the harness merges them: ``rounds``, one {N: e2e ms} per round in run
+    order; ``figures`` a scalar per round (a list) or the same in every round."""
+    runs = [{"e2e_ms": {str(n): ms for n, ms in r.items()},
+             **{k: v[i] if isinstance(v, list) else v for k, v in figures.items()}} for i, r in enumerate(rounds)]
+    return harness._merge_rounds(runs)
+
+
+def _targets(engine: str, modes: dict, *args) -> str:
     from bcg_bench import targets
 
-    modes = {
-        "native": {"e2e_ms": {"16": 10.0, "1024": 20.0}, "forward_ms": {"16": 5.0}, "capture_s": 10.0,
-                   "graph_mem_gib": 1.0},
-        "bcg": {"e2e_ms": {"16": 10.1, "1024": 22.0}, "forward_ms": {"16": 4.0}, "capture_s": 8.0,
-                "graph_mem_gib": 0.9},
+    return "\n".join(targets.markdown(engine, modes, *args))
+
+
+def _sglang_modes(bcg_16=(8.0, 8.5, 9.5), rounds: int = 3) -> dict:
+    bcg = [{16: a, 1024: b} for a, b in zip(bcg_16, (19.0, 21.0, 22.0))]
+    return {"native": _mode(*[{16: 10.0, 1024: 20.0}] * rounds, capture_s=[4.0, 4.0, 5.0][:rounds]),
+            "full": _mode(*[{16: 9.0, 1024: 22.0}] * rounds),
+            "bcg": _mode(*bcg[:rounds], capture_s=[4.0, 3.0, 5.0][:rounds])}
+
+
+def test_sglang_latency_targets_read_the_worst_n_of_the_paired_median_over_rounds():
+    table = _targets("sglang", _sglang_modes())
+    assert "Latency figures: the worst N of the median over rounds of per-round paired ratios" in table
+    assert "| bcg / native (e2e, N <= 512) | <= 0.9 | 0.850 | yes |" in table  # median of 0.8, 0.85, 0.95
+    # 1024 tokens: 0.95, 1.05 and 1.1 by round; the per-N minimum (19 against 20) would read 0.95
+    assert "| bcg / native (e2e, every N) | <= 1 | 1.050 | no |" in table
+    assert "| bcg / full (e2e, every N) | <= 1 | 0.955 | yes |" in table  # 21 / 22 at 1024 over 8.5 / 9 at 16
+    assert "| bcg / native (capture seconds) | <= 1 | 0.750 | yes |" in table  # each mode's minimum, 3 / 4
+    assert "Each configuration" not in table  # one subject: no per-configuration summary
+    # negative controls: one round's 16 tokens past the limit moves the median; two rounds; no full
+    table = _targets("sglang", _sglang_modes((8.0, 9.5, 9.5)))
+    assert "| bcg / native (e2e, N <= 512) | <= 0.9 | 0.950 | no |" in table
+    table = _targets("sglang", _sglang_modes(rounds=2))
+    assert "| bcg / native (e2e, N <= 512) | <= 0.9 | not measured | - |" in table
+    assert "| bcg / full (e2e, every N) | <= 1 | not measured | - |" in table
+    assert "| bcg / native (capture seconds) | <= 1 | 0.750 | yes |" in table  # scalars need no pairs
+    modes = _sglang_modes()
+    del modes["full"]
+    assert "| bcg / full (e2e, every N) | <= 1 | not measured | - |" in _targets("sglang", modes)
+
+
+def _vllm_modes() -> dict:
+    """Three rounds of each mode; round 2 runs on a host 20% slower, which pairing cancels."""
+    def mode(sizes: dict, **figures) -> dict:
+        return _mode(*({n: ms * k for n, ms in sizes.items()} for k in (1.0, 1.2, 1.0)), **figures)
+
+    return {
+        "full": mode({16: 4.0, 1024: 6.0, 2048: 9.0}, init_s=[10.0, 11.0, 12.0], capture_s=3.0, graph_mem_gib=0.5),
+        "native": mode({16: 5.0, 1024: 12.0, 2048: 18.0}),
+        "native_ladder": mode({16: 5.0, 1024: 7.0, 2048: 10.0}, capture_s=4.0),
+        "compile": mode({16: 6.0, 1024: 12.0, 2048: 16.0}),
+        "bcg": mode({16: 4.0, 1024: 6.6, 2048: 9.0}, init_s=9.0, capture_s=[2.5, 2.0, 2.2], graph_mem_gib=0.4,
+                    bcg_buckets=56),
+        "bcg_compile": mode({16: 4.4, 1024: 5.4, 2048: 8.1}, capture_s=5.0),
     }
-    table = "\n".join(targets.markdown("sglang", modes))
-    assert "| bcg / native (e2e, every N) | <= 1.02 | 1.100 | no |" in table  # the worst N, not the best
-    assert "| bcg / native (capture seconds) | <= 0.75 (any one of 'strictly better') | 0.800 | no |" in table
-    assert "| bcg / native (model forward, N <= 512) | <= 0.95 (any one of 'strictly better') | 0.800 | yes |" in table
-    assert "'strictly better': met." in table
-    table = "\n".join(targets.markdown("vllm", {"bcg": modes["bcg"]}))
-    assert ("| bcg / best of native, native_ladder, compile (e2e, every N) | <= 1.02 (any one of 'every N') | "
-            "not measured | - |") in table
-    assert "'every N': not measured." in table
-    assert "| eager / bcg (e2e, N <= 512) | >= 3 | not measured | - |" in table
-
-
-def test_vllm_every_n_target_is_met_by_either_bcg_configuration_and_by_neither_when_both_miss():
-    from bcg_bench import targets
-
-    modes = {"native": {"e2e_ms": {"16": 4.0, "8192": 36.0}}, "compile": {"e2e_ms": {"16": 6.0, "8192": 31.0}},
-             "bcg": {"e2e_ms": {"16": 4.0, "8192": 34.0}}, "bcg_compile": {"e2e_ms": {"16": 4.0, "8192": 30.8}},
-             "native_ladder": {"e2e_ms": {"16": 5.0, "8192": 36.0}}}
-    table = "\n".join(targets.markdown("vllm", modes))
-    limit = "<= 1.02 (any one of 'every N')"
-    assert f"| bcg / best of native, native_ladder, compile (e2e, every N) | {limit} | 1.097 | no |" in table
-    assert f"| bcg_compile / best of native, native_ladder, compile (e2e, every N) | {limit} | 1.000 | yes |" in table
-    assert "'every N': met." in table
-    modes["bcg_compile"]["e2e_ms"]["16"] = 4.2  # 1.05x native at 16 tokens
-    assert "'every N': not met." in "\n".join(targets.markdown("vllm", modes))
 
 
 def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures():
-    from bcg_bench import targets
+    table = _targets("vllm", _vllm_modes())
+    rows = ["| bcg / full (e2e, every N) | <= 1 | 1.100 | no |",  # 1024 tokens; 16 and 2048 at 1.0
+            "| bcg / native (e2e, N <= 512) | <= 0.9 | 0.800 | yes |",
+            "| bcg / native_ladder (e2e, every N) | <= 1 | 0.943 | yes |",
+            "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | 0.562 | yes |",
+            "| bcg / native_ladder (capture seconds) | <= 1 | 0.500 | yes |",
+            "| bcg / full (init seconds) | <= 1 | 0.900 | yes |",  # each mode's fastest start, 9 / 10
+            "| bcg capture seconds per bucket | <= 0.05 | 0.036 | yes |",  # 2.0 s over 56 buckets
+            "| bcg / full (graph memory) | <= 1 | 0.800 | yes |",
+            "| bcg_compile / full (e2e, every N) | <= 1 | 1.100 | no |",
+            "| bcg_compile / native (e2e, N <= 512) | <= 0.9 | 0.880 | yes |",
+            "| bcg_compile / native_ladder (e2e, every N) | <= 1 | 0.880 | yes |",
+            "| bcg_compile / compile (e2e, N = 1024 and 2048) | <= 0.6 | 0.506 | yes |",
+            "| bcg_compile / native_ladder (capture seconds) | <= 1 | 1.250 | no |",
+            "| bcg_compile_graph / full (e2e, every N) | <= 1 | not measured | - |"]
+    lines = table.splitlines()
+    assert [line for line in lines if line in rows] == rows  # every row, in this order
+    assert sum(line.startswith("| bcg_compile_graph /") for line in lines) == 5
+    assert not any(line.startswith("| bcg_compile") and "per bucket" in line for line in lines)  # plain bcg only
+    assert "- bcg (torch_compile false): 7 of 8 measured targets met; not met: bcg / full (e2e, every N)" in table
+    assert ("- bcg_compile (torch_compile, the default under vLLM's -O2): 3 of 5 measured targets met; not met: "
+            "bcg_compile / full (e2e, every N); bcg_compile / native_ladder (capture seconds)") in table
+    assert "- bcg_compile_graph: not measured" in table
 
-    modes = {"eager": {"e2e_ms": {"512": 15.0, "1024": 16.0, "2048": 16.0}},
-             "native": {"e2e_ms": {"512": 5.0, "1024": 15.0, "2048": 16.0}, "capture_s": 20.0, "graph_mem_gib": 0.5},
-             "bcg": {"e2e_ms": {"512": 6.0, "1024": 6.0, "2048": 9.0}, "capture_s": 4.0, "graph_mem_gib": 0.8},
-             "bcg_compile": {"e2e_ms": {"512": 4.5, "1024": 5.0, "2048": 8.0}, "capture_s": 3.0,
-                             "graph_mem_gib": 0.4}}
-    table = "\n".join(targets.markdown("vllm", modes))
-    assert "| eager / bcg (e2e, N <= 512) | >= 3 | 2.500 | no |" in table
-    assert "| eager / bcg_compile (e2e, N <= 512) | >= 3 | 3.333 | yes |" in table
-    assert "| bcg / native (graph memory) | <= 1 | 1.600 | no |" in table
-    assert "| bcg_compile / native (graph memory) | <= 1 | 0.800 | yes |" in table
-    assert "| bcg_compile / native (e2e, N = 1024 and 2048) | <= 0.6 | 0.500 | yes |" in table
-    assert ("- bcg (torch_compile false): 2 of 4 measured targets met (1 not measured); not met: "
-            "eager / bcg (e2e, N <= 512); bcg / native (graph memory)") in table
-    assert ("- bcg_compile (torch_compile, the default under vLLM's -O2): 4 of 4 measured targets met "
-            "(1 not measured)") in table
-    modes["bcg_compile"]["graph_mem_gib"] = 0.6  # negative control: the row reads bcg_compile's own figure
-    table = "\n".join(targets.markdown("vllm", modes))
-    assert "| bcg_compile / native (graph memory) | <= 1 | 1.200 | no |" in table
-    assert "4 of 4" not in table
+
+@pytest.mark.parametrize("change, row", [
+    # a figure past its limit flips the verdict
+    (lambda m: m["bcg"].update(graph_mem_gib=0.6), "| bcg / full (graph memory) | <= 1 | 1.200 | no |"),
+    (lambda m: m["bcg"].update(capture_s=3.0), "| bcg capture seconds per bucket | <= 0.05 | 0.054 | no |"),
+    (lambda m: m["bcg"].update(init_s=10.5), "| bcg / full (init seconds) | <= 1 | 1.050 | no |"),
+    (lambda m: [r["e2e_ms"].update({"2048": 10.8 * k}) for r, k in zip(m["bcg"]["rounds"], (1.0, 1.2, 1.0))],
+     "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | 0.675 | no |"),
+    # a graph-memory figure the harness could not measure (zero or negative) is no figure
+    (lambda m: m["full"].update(graph_mem_gib=-0.1), "| bcg / full (graph memory) | <= 1 | not measured | - |"),
+    (lambda m: m["bcg"].update(graph_mem_gib=0.0), "| bcg / full (graph memory) | <= 1 | not measured | - |"),
+    # a result without the bucket count; a missing mode; a size a compared mode lacks in one round
+    (lambda m: m["bcg"].pop("bcg_buckets"), "| bcg capture seconds per bucket | <= 0.05 | not measured | - |"),
+    (lambda m: m.pop("compile"), "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | not measured | - |"),
+    (lambda m: m["full"]["rounds"][2]["e2e_ms"].pop("2048"), "| bcg / full (e2e, every N) | <= 1 | not measured | - |"),
+    (lambda m: [r["e2e_ms"].pop("2048") for r in m["compile"]["rounds"]],
+     "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | not measured | - |"),
+    # fewer than three rounds in which both modes ran
+    (lambda m: m["bcg"]["rounds"].__setitem__(1, {"error": "exit code 1"}),
+     "| bcg / native_ladder (e2e, every N) | <= 1 | not measured | - |"),
+    (lambda m: m["native_ladder"].pop("rounds"), "| bcg / native_ladder (e2e, every N) | <= 1 | not measured | - |"),
+])
+def test_vllm_target_negative_controls(change, row):
+    modes = _vllm_modes()
+    change(modes)
+    assert row in _targets("vllm", modes)
 
 
-def test_a_target_with_a_comparison_mode_or_size_missing_is_not_measured():
-    from bcg_bench import targets
-
-    modes = {"native": {"e2e_ms": {"16": 4.0, "8192": 36.0}}, "compile": {"e2e_ms": {"16": 6.0, "8192": 31.0}},
-             "bcg": {"e2e_ms": {"16": 3.0, "8192": 30.0}}}
-    table = "\n".join(targets.markdown("vllm", modes))  # no native_ladder in the run
-    assert "| bcg / best of native, native_ladder, compile (e2e, every N) | <= 1.02 (any one of 'every N') | " \
-           "not measured | - |" in table
-    modes["native_ladder"] = {"e2e_ms": {"16": 5.0}}  # timed out before 8192
-    assert "'every N': not measured." in "\n".join(targets.markdown("vllm", modes))
-    modes["native_ladder"]["e2e_ms"]["8192"] = 33.0
-    assert "'every N': met." in "\n".join(targets.markdown("vllm", modes))
+def test_every_n_is_every_n_the_configuration_measured():
+    modes = _vllm_modes()
+    for r in modes["bcg"]["rounds"]:  # bcg alone ran 8192 tokens: full's rounds lack it
+        r["e2e_ms"]["8192"] = 30.0
+    table = _targets("vllm", modes)
+    assert "| bcg / full (e2e, every N) | <= 1 | not measured | - |" in table
+    assert "| bcg_compile / full (e2e, every N) | <= 1 | 1.100 | no |" in table  # bcg_compile's own sizes
+    for r in modes["full"]["rounds"]:
+        r["e2e_ms"]["8192"] = 29.0
+    assert "| bcg / full (e2e, every N) | <= 1 | 1.100 | no |" in _targets("vllm", modes)
 
 
 def test_targets_are_not_checked_for_another_model_or_several_gpus():
-    from bcg_bench import targets
-
-    modes = {"eager": {"e2e_ms": {"16": 30.0}}, "bcg": {"e2e_ms": {"16": 1.0}}}
-    assert "| eager / bcg (e2e, N <= 512) | >= 3 | 30.000 | yes |" in "\n".join(targets.markdown("vllm", modes))
+    modes = _vllm_modes()
+    assert "| bcg / native (e2e, N <= 512) | <= 0.9 | 0.800 | yes |" in _targets("vllm", modes)
     for model, parallel, shape in (("qwen3-8b", None, "qwen3-8b"),
                                    ("qwen3-0.6b", {"tp": 2, "dp": 1}, "qwen3-0.6b, tp 2"),
                                    ("qwen3-30b-a3b", {"tp": 2, "dp": 2}, "qwen3-30b-a3b, tp 2, dp 2")):
-        table = "\n".join(targets.markdown("vllm", modes, model, parallel))
+        table = _targets("vllm", modes, model, parallel)
         assert "| yes |" not in table and "| target |" not in table
         assert f"this run ({shape}) is not checked against them" in table
 
@@ -419,3 +466,26 @@ def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
     monkeypatch.setenv("GIT_COMMIT", "0123abcd")
     result["env"].update(report.plugin_source())
     assert ", torch 2.11.0. bcg-plugin 9.9.9 at 0123abcd. One request" in harness.to_markdown(result).splitlines()[2]
+
+
+def test_the_commit_is_read_from_a_linked_worktree_as_from_a_plain_checkout(tmp_path):
+    """``git worktree add`` leaves a ``.git`` file naming the worktree's folder under the main
+    checkout's ``.git``, whose ``commondir`` holds the branches."""
+    from bcg_bench import report
+
+    main = tmp_path / "main" / ".git"
+    (main / "refs" / "heads").mkdir(parents=True)
+    (main / "refs" / "heads" / "topic").write_text("a" * 40 + "\n")
+    (main / "packed-refs").write_text("b" * 40 + " refs/heads/old\n")
+    linked = main / "worktrees" / "wt"
+    linked.mkdir(parents=True)
+    (linked / "commondir").write_text("../..\n")
+    (linked / "HEAD").write_text("ref: refs/heads/topic\n")
+    tree = tmp_path / "wt" / "pkg"
+    tree.mkdir(parents=True)
+    (tmp_path / "wt" / ".git").write_text(f"gitdir: {linked}\n")
+    assert report._checkout_head(tree) == "a" * 40
+    (linked / "HEAD").write_text("ref: refs/heads/old\n")  # a branch git packed
+    assert report._checkout_head(tree) == "b" * 40
+    (linked / "HEAD").write_text("c" * 40 + "\n")  # detached
+    assert report._checkout_head(tree) == "c" * 40

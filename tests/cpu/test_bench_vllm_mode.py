@@ -397,6 +397,43 @@ def test_a_bcg_attention_mode_whose_graphs_do_not_match_its_name_fails(monkeypat
             bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)
 
 
+@pytest.mark.parametrize("captured", [56, None])
+def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured):
+    """``bcg_buckets`` comes from the runtime's stats as the worker RPC returns them (the capture
+    seconds per bucket target divides by it); a runtime that does not report it leaves it out."""
+    import vllm
+
+    from bcg_bench import vllm_mode as bench
+    from bcg_plugin.adapters.vllm import plugin
+    from bcg_plugin.adapters.vllm.metrics import stats_dict
+    from bcg_plugin.stats import RuntimeStats
+
+    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0))
+    if captured is None:
+        del runtime["buckets"]
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            pass
+
+        def generate(self, prompts, params, use_tqdm=False):
+            return [types.SimpleNamespace(metrics=None)]
+
+        def collective_rpc(self, name):
+            return [[runtime]]
+
+    monkeypatch.setattr(bench, "_env_for", lambda *a, **k: None)
+    monkeypatch.setattr(plugin, "register", lambda: None)
+    monkeypatch.setattr(plugin, "apply_runner_patches", lambda *a: True)
+    monkeypatch.setattr(bench.Timers, "install", lambda self: None)
+    monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
+    monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
+    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    result = bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
+    assert result.get("bcg_buckets") == captured
+
+
 @pytest.mark.usefixtures("fake_cuda_events")
 def test_the_v2_full_graph_replay_is_timed_once_outside_a_forward_context_and_not_again_inside(monkeypatch):
     """The V2 runner replays FULL graphs (vLLM's, and bcg's buckets with attention inside) outside
