@@ -74,10 +74,11 @@ def _scalar_ratio(modes: dict, key: str, mode: str, other: str, positive: bool =
 
 
 def _per_bucket(modes: dict, mode: str) -> float | None:
-    """``mode``'s capture seconds over the buckets bcg captured (``bcg_buckets``, which results
-    before it was recorded lack)."""
+    """bcg's own capture seconds in ``mode`` over the buckets it captured (``bcg_capture_s`` and
+    ``bcg_buckets``, which results before they were recorded lack); ``capture_s`` also holds the
+    host's own graphs."""
     data = modes.get(mode) or {}
-    seconds, buckets = data.get("capture_s"), data.get("bcg_buckets")
+    seconds, buckets = data.get("bcg_capture_s"), data.get("bcg_buckets")
     return seconds / buckets if seconds is not None and buckets else None
 
 

@@ -10,8 +10,8 @@ it), ``bcg_break`` and ``bcg_graph`` (the same with ``"attention"`` ``"break"`` 
 difference is what a break costs), ``bcg_compile`` (bcg with ``torch_compile``, the vLLM
 adapter's default: its graphs capture vLLM's default piecewise compilation) and
 ``bcg_compile_graph`` (the same with attention inside the graph in every bucket: against
-``bcg_compile`` it tells, above ``max_cudagraph_capture_size``, whether a bucket gains by keeping
-attention inside).
+``bcg_compile`` it tells, above the largest bucket ``"auto"`` keeps attention inside, whether a
+bucket would gain by keeping it inside too).
 
 Each mode is one prefill runtime whatever the model: ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is ``1`` for the
 native modes (a dense model is not on the list of architectures vLLM graphs breakably by itself from
@@ -37,8 +37,8 @@ device-to-device copy moves per second (bytes read plus written) in the same pro
 timed requests: the report's weight-read floor of a forward. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
 under ``torch.profiler`` (:mod:`bcg_bench.profile`). The bcg modes also record ``bcg_stats`` (each
-serving runner's summary line), ``bcg_buckets`` (the buckets bcg captured, which the capture
-seconds per bucket target reads) and, where the runtime reports them, ``graph_attention_buckets``.
+serving runner's summary line), ``bcg_buckets`` and ``bcg_capture_s`` (the buckets bcg captured
+and the seconds it took, which the capture seconds per bucket target reads) and, where the runtime reports them, ``graph_attention_buckets``.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 
@@ -368,6 +368,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         counts = [s["buckets"] for s in stats if s.get("buckets") is not None]
         if counts:  # the buckets bcg captured (each serving runner captures the same ladder)
             result["bcg_buckets"] = max(counts)
+        seconds = [s["capture_seconds"] for s in stats if s.get("capture_seconds") is not None]
+        if seconds:  # bcg's own part of capture_s (vLLM's decode graphs are the rest)
+            result["bcg_capture_s"] = max(seconds)
         inline = [s["graph_attention_buckets"] for s in stats if "graph_attention_buckets" in s]
         if inline:
             result["graph_attention_buckets"] = sorted({b for buckets in inline for b in buckets})

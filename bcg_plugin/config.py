@@ -55,10 +55,11 @@ class BcgConfig:
             from ``max_cudagraph_capture_size`` to the top bucket), so a batch replays one graph
             with no eager step; elsewhere every bucket breaks. ``"break"``: an eager call between
             graph segments in every bucket, sized for the live batch. ``"auto"``: the host's
-            default per bucket (vLLM: inside the graph in buckets up to
-            ``max_cudagraph_capture_size``, the sizes vLLM's own FULL mode keeps attention inside
-            the graph for; larger buckets break). The choice per bucket is logged with the
-            capture summary and shown by ``bcg doctor``.
+            default per bucket (vLLM: inside the graph in buckets up to 2048
+            tokens, or up to ``max_cudagraph_capture_size`` if that is larger; larger buckets break,
+            where an eager call sized for the live batch beats the grid captured for the bucket's
+            worst case). The choice per bucket is logged with the capture summary and shown by
+            ``bcg doctor``.
     """
 
     enable: bool = False

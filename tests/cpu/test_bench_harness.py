@@ -242,7 +242,7 @@ def _vllm_modes() -> dict:
         "native_ladder": mode({16: 5.0, 1024: 7.0, 2048: 10.0}, capture_s=4.0),
         "compile": mode({16: 6.0, 1024: 12.0, 2048: 16.0}),
         "bcg": mode({16: 4.0, 1024: 6.6, 2048: 9.0}, init_s=9.0, capture_s=[2.5, 2.0, 2.2], graph_mem_gib=0.4,
-                    bcg_buckets=56),
+                    bcg_buckets=56, bcg_capture_s=[2.4, 2.0, 2.1]),
         "bcg_compile": mode({16: 4.4, 1024: 5.4, 2048: 8.1}, capture_s=5.0),
     }
 
@@ -255,7 +255,7 @@ def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures()
             "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | 0.562 | yes |",
             "| bcg / native_ladder (capture seconds) | <= 1 | 0.500 | yes |",
             "| bcg / full (init seconds) | <= 1 | 0.900 | yes |",  # each mode's fastest start, 9 / 10
-            "| bcg capture seconds per bucket | <= 0.05 | 0.036 | yes |",  # 2.0 s over 56 buckets
+            "| bcg capture seconds per bucket | <= 0.05 | 0.036 | yes |",  # bcg's fastest 2.0 s over 56 buckets
             "| bcg / full (graph memory) | <= 1 | 0.800 | yes |",
             "| bcg_compile / full (e2e, every N) | <= 1 | 1.100 | no |",
             "| bcg_compile / native (e2e, N <= 512) | <= 0.9 | 0.880 | yes |",
@@ -276,7 +276,7 @@ def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures()
 @pytest.mark.parametrize("change, row", [
     # a figure past its limit flips the verdict
     (lambda m: m["bcg"].update(graph_mem_gib=0.6), "| bcg / full (graph memory) | <= 1 | 1.200 | no |"),
-    (lambda m: m["bcg"].update(capture_s=3.0), "| bcg capture seconds per bucket | <= 0.05 | 0.054 | no |"),
+    (lambda m: m["bcg"].update(bcg_capture_s=3.0), "| bcg capture seconds per bucket | <= 0.05 | 0.054 | no |"),
     (lambda m: m["bcg"].update(init_s=10.5), "| bcg / full (init seconds) | <= 1 | 1.050 | no |"),
     (lambda m: [r["e2e_ms"].update({"2048": 10.8 * k}) for r, k in zip(m["bcg"]["rounds"], (1.0, 1.2, 1.0))],
      "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | 0.675 | no |"),
@@ -285,6 +285,8 @@ def test_vllm_targets_are_read_for_each_bcg_configuration_from_its_own_figures()
     (lambda m: m["bcg"].update(graph_mem_gib=0.0), "| bcg / full (graph memory) | <= 1 | not measured | - |"),
     # a result without the bucket count; a missing mode; a size a compared mode lacks in one round
     (lambda m: m["bcg"].pop("bcg_buckets"), "| bcg capture seconds per bucket | <= 0.05 | not measured | - |"),
+    # the host's graphs in the harness's capture seconds are not bcg's: without bcg's own, no figure
+    (lambda m: m["bcg"].pop("bcg_capture_s"), "| bcg capture seconds per bucket | <= 0.05 | not measured | - |"),
     (lambda m: m.pop("compile"), "| bcg / compile (e2e, N = 1024 and 2048) | <= 0.6 | not measured | - |"),
     (lambda m: m["full"]["rounds"][2]["e2e_ms"].pop("2048"), "| bcg / full (e2e, every N) | <= 1 | not measured | - |"),
     (lambda m: [r["e2e_ms"].pop("2048") for r in m["compile"]["rounds"]],

@@ -399,8 +399,9 @@ def test_a_bcg_attention_mode_whose_graphs_do_not_match_its_name_fails(monkeypat
 
 @pytest.mark.parametrize("captured", [56, None])
 def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured):
-    """``bcg_buckets`` comes from the runtime's stats as the worker RPC returns them (the capture
-    seconds per bucket target divides by it); a runtime that does not report it leaves it out."""
+    """``bcg_buckets`` and ``bcg_capture_s`` come from the runtime's stats as the worker RPC returns
+    them (the capture seconds per bucket target reads both); a runtime that does not report them
+    leaves them out."""
     import vllm
 
     from bcg_bench import vllm_mode as bench
@@ -408,9 +409,9 @@ def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured)
     from bcg_plugin.adapters.vllm.metrics import stats_dict
     from bcg_plugin.stats import RuntimeStats
 
-    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0))
+    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0, capture_seconds=1.5))
     if captured is None:
-        del runtime["buckets"]
+        del runtime["buckets"], runtime["capture_seconds"]
 
     class FakeLLM:
         def __init__(self, **kwargs):
@@ -432,6 +433,7 @@ def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured)
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     result = bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
     assert result.get("bcg_buckets") == captured
+    assert result.get("bcg_capture_s") == (1.5 if captured else None)  # bcg's part of the capture only
 
 
 @pytest.mark.usefixtures("fake_cuda_events")

@@ -39,7 +39,7 @@ def test_enabled_config_says_what_the_plugin_will_do():
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("choice, says", [
-    ("auto", "inside the graph in buckets up to vLLM's max_cudagraph_capture_size (the size"),
+    ("auto", "inside the graph in buckets up to 2048 tokens, or up to vLLM's max_cudagraph_capture_size if larger"),
     ("graph", "inside the graph in every bucket (FA3's graph bound raised to the top bucket)"),
     ("break", "an eager break in every bucket"),
 ])

@@ -1078,8 +1078,9 @@ def _v2_host(vllm_config, support, embeds_in_graph=True):
 
 def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vllm_model_config):
     """The plan follows vLLM's own FULL-graph rules: a backend graphing any batch mix, FULL graphs in
-    cudagraph_mode; "auto" keeps attention inside up to max_cudagraph_capture_size, "graph" in every
-    bucket, with the builders' graph bound (FA3's split bound) raised to the top one."""
+    cudagraph_mode; "auto" keeps attention inside up to 2048 tokens (further where
+    max_cudagraph_capture_size is larger), "graph" in every bucket; the builders' graph bound (FA3's
+    split bound) is raised to the top bucket chosen."""
     from vllm.config.compilation import CUDAGraphMode
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
@@ -1094,13 +1095,15 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
     if not accepts(prepare_inputs_to_capture, "max_query_len"):  # 0.26 / 0.27: every bucket breaks
         assert host.bcg_graph_attention(buckets, "graph") is None
         return
-    assert host.bcg_graph_attention(buckets, "auto") == [16, 512, 1024, 1536, 2048]
-    builder = host.attn_groups[0][0].metadata_builders[0]
-    assert builder.max_cudagraph_size == 2048  # "auto" leaves vLLM's bound as configured
-    assert host.bcg_graph_attention(buckets, "graph") == buckets
-    assert builder.max_cudagraph_size == 4096  # a larger step would get FA3's split heuristic
     config.compilation_config.max_cudagraph_capture_size = 512
-    assert host.bcg_graph_attention(buckets, "auto") == [16, 512]
+    host = _v2_host(config, AttentionCGSupport.ALWAYS)
+    builder = host.attn_groups[0][0].metadata_builders[0]
+    assert host.bcg_graph_attention(buckets, "auto") == [16, 512, 1024, 1536, 2048]
+    assert builder.max_cudagraph_size == 2048  # a larger step would get FA3's split heuristic
+    assert host.bcg_graph_attention(buckets, "graph") == buckets
+    assert builder.max_cudagraph_size == 4096
+    config.compilation_config.max_cudagraph_capture_size = 4096  # vLLM's own FULL graphs reach further
+    assert host.bcg_graph_attention(buckets, "auto") == buckets
     assert _v2_host(config, AttentionCGSupport.UNIFORM_BATCH).bcg_graph_attention(buckets, "graph") is None
     assert _v2_host(config, AttentionCGSupport.ALWAYS, embeds_in_graph=False).bcg_graph_attention(
         buckets, "graph") is None

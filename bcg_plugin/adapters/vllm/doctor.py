@@ -52,9 +52,11 @@ def attention_scope(config: BcgConfig) -> str:
         return "an eager break in every bucket"
     if not graph_attention_release():
         return "an eager break in every bucket (this vLLM release cannot keep it inside the graph; 0.28 and later can)"
+    from bcg_plugin.adapters.vllm.host import AUTO_GRAPH_ATTENTION_TOKENS
+
     where = ("in every bucket (FA3's graph bound raised to the top bucket)" if config.attention == "graph" else
-             "in buckets up to vLLM's max_cudagraph_capture_size (the size up to which vLLM captures FULL graphs "
-             "itself)")
+             f"in buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens, or up to vLLM's max_cudagraph_capture_size "
+             "if larger")
     return (f"inside the graph {where}, where the V2 model runner serves a text-only model with FLASH_ATTN "
             "(FA3) or TRITON_ATTN, cudagraph_mode has FULL graphs (bcg's default) and data parallelism is off; an "
             "eager break in the others (the V1 runner, other backends"

@@ -237,9 +237,9 @@ class V2Host(VllmHost):
 
     @hookimpl
     def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
-        # "auto": the buckets vLLM's own FULL metadata reaches as configured (up to
-        # max_cudagraph_capture_size), the sizes vLLM's FULL mode keeps attention inside the graph
-        # for itself. "graph": every bucket, the builders' graph bound raised to the largest.
+        # "graph": every bucket. "auto": buckets up to AUTO_GRAPH_ATTENTION_TOKENS, or up to
+        # max_cudagraph_capture_size where vLLM's own FULL graphs reach further. Either way the
+        # builders' graph bound is raised to the largest bucket chosen.
         reason = graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph)
         if reason is not None:
             if reason not in _SAID:
@@ -247,14 +247,19 @@ class V2Host(VllmHost):
                 say = logger.warning if attention == "graph" else logger.info
                 say("bcg: attention stays an eager break in every bucket: %s", reason)
             return None
-        if attention == "graph" and buckets:
-            raise_graph_bound(self.attn_groups, max(buckets))
-            return list(buckets)
-        limit = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
-        return [b for b in buckets if b <= limit]
+        limit = max(self.vllm_config.compilation_config.max_cudagraph_capture_size or 0, AUTO_GRAPH_ATTENTION_TOKENS)
+        chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= limit]
+        if chosen:
+            raise_graph_bound(self.attn_groups, max(chosen))
+        return chosen
 
 
 _SAID: set[str] = set()  # reasons already logged in this process (each runner's capture asks again)
+# The largest bucket "auto" keeps attention inside the graph for (unless vLLM's own FULL graphs reach
+# further). Up to it one eager FA3 call per layer costs the host more than the step's GPU work hides;
+# above it the captured grid, sized for the bucket's worst batch, costs more GPU time than a call
+# sized for the live batch (docs/benchmarks.md: bcg_compile_graph against bcg_compile on vLLM 0.33).
+AUTO_GRAPH_ATTENTION_TOKENS = 2048
 
 
 def raise_graph_bound(attn_groups: Any, num_tokens: int) -> None:
