@@ -51,7 +51,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     env = environment()
     print(f"# {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, {env['date']}: bcg with and without "
-          f"the in-graph zeroing of padded rows, {args.mode} mode, {args.model}, N = {sizes}, {args.rounds} rounds", flush=True)
+          f"the in-graph zeroing of padded rows, {args.mode} mode, {args.model}, N = {sizes}, "
+          f"{args.rounds} rounds", flush=True)
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
