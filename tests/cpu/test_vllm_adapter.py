@@ -1104,6 +1104,14 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
     assert builder.max_cudagraph_size == 4096
     config.compilation_config.max_cudagraph_capture_size = 4096  # vLLM's own FULL graphs reach further
     assert host.bcg_graph_attention(buckets, "auto") == buckets
+    # a builder with no bound bcg knows how to raise keeps graph attention to vLLM's own bound,
+    # unless its backend graphs any size
+    config.compilation_config.max_cudagraph_capture_size = 512
+    host = _v2_host(config, AttentionCGSupport.ALWAYS)
+    del host.attn_groups[0][0].metadata_builders[0].max_cudagraph_size
+    assert host.bcg_graph_attention(buckets, "graph") == [16, 512]
+    host.attn_groups[0][0].backend.get_name = lambda: "TRITON_ATTN"
+    assert host.bcg_graph_attention(buckets, "graph") == buckets
     assert _v2_host(config, AttentionCGSupport.UNIFORM_BATCH).bcg_graph_attention(buckets, "graph") is None
     assert _v2_host(config, AttentionCGSupport.ALWAYS, embeds_in_graph=False).bcg_graph_attention(
         buckets, "graph") is None
@@ -1112,6 +1120,22 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     config.parallel_config.data_parallel_size = 2
     assert host.bcg_graph_attention(buckets, "auto") is None
+
+
+def test_the_installed_backends_bound_their_graph_steps_where_bcg_raises_it():
+    """raise_graph_bound relies on FA3's builder keeping its graph bound in ``max_cudagraph_size``
+    (set at init, read by ``build``) and on TRITON_ATTN's builder having no size bound at all."""
+    import inspect
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionMetadataBuilder
+
+    from bcg_plugin.adapters.vllm.host import UNBOUNDED_GRAPH_BACKENDS
+
+    assert "self.max_cudagraph_size =" in inspect.getsource(FlashAttentionMetadataBuilder.__init__)
+    assert "self.max_cudagraph_size" in inspect.getsource(FlashAttentionMetadataBuilder.build)
+    assert "max_cudagraph" not in inspect.getsource(TritonAttentionMetadataBuilder)
+    assert TritonAttentionBackend.get_name() in UNBOUNDED_GRAPH_BACKENDS  # the name the groups report
 
 
 def test_where_attention_cannot_stay_in_the_graph_the_reason_is_logged_once(vllm_model_config, monkeypatch):

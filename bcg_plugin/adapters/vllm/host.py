@@ -247,10 +247,12 @@ class V2Host(VllmHost):
                 say = logger.warning if attention == "graph" else logger.info
                 say("bcg: attention stays an eager break in every bucket: %s", reason)
             return None
-        limit = max(self.vllm_config.compilation_config.max_cudagraph_capture_size or 0, AUTO_GRAPH_ATTENTION_TOKENS)
+        configured = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        limit = max(configured, AUTO_GRAPH_ATTENTION_TOKENS)
         chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= limit]
         if chosen:
-            raise_graph_bound(self.attn_groups, max(chosen))
+            bound = raise_graph_bound(self.attn_groups, max(chosen), configured)
+            chosen = [b for b in chosen if b <= bound]
         return chosen
 
 
@@ -262,22 +264,33 @@ _SAID: set[str] = set()  # reasons already logged in this process (each runner's
 AUTO_GRAPH_ATTENTION_TOKENS = 2048
 
 
-def raise_graph_bound(attn_groups: Any, num_tokens: int) -> None:
-    """Let every metadata builder treat steps of up to ``num_tokens`` as graph steps.
+# Backends whose metadata builders graph a step of any size as they are (no size-bound graph path).
+UNBOUNDED_GRAPH_BACKENDS = ("TRITON_ATTN",)
+
+
+def raise_graph_bound(attn_groups: Any, num_tokens: int, configured: int) -> int:
+    """Let every metadata builder treat steps of up to ``num_tokens`` as graph steps; return the
+    largest step every builder now does (``configured``, vLLM's ``max_cudagraph_capture_size``,
+    where a builder's bound cannot be raised).
 
     FA3's builder bounds a step's KV splits (and so the size of the split buffers a captured graph
     holds) only for steps up to its ``max_cudagraph_size``, vLLM's ``max_cudagraph_capture_size``;
     a larger step gets FA3's own split heuristic, whose buffers a graph captured at another batch
     mix does not hold. Raising the bound to bcg's largest graph bucket is what vLLM's FULL mode
     does with capture sizes that reach that far; its persistent schedule buffer is sized by
-    request count (at least ``max_num_seqs``), which a bucket's padded batch does not exceed.
-    Builders without the bound (TRITON_ATTN) graph any size as they are.
+    request count (at least ``max_num_seqs``), which a bucket's padded batch does not exceed. A
+    builder of another backend without that attribute is held to ``configured``, unless its backend
+    is known to graph any size.
     """
+    bound = num_tokens
     for groups in attn_groups:
         for group in groups:
             for builder in getattr(group, "metadata_builders", None) or ():
                 if hasattr(builder, "max_cudagraph_size"):
                     builder.max_cudagraph_size = max(builder.max_cudagraph_size or 0, num_tokens)
+                elif group.backend.get_name() not in UNBOUNDED_GRAPH_BACKENDS:
+                    bound = min(bound, configured)
+    return bound
 
 
 def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph: bool) -> str | None:
