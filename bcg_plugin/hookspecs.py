@@ -102,11 +102,14 @@ class BcgHostSpec:
         ``attention`` is the config's choice, ``"graph"`` or ``"auto"`` (``"break"`` never asks).
         For ``"graph"``: every bucket whose attention the host can run from buffers fixed per
         bucket, landing each batch's metadata into them before the replay; for ``"auto"``: the
-        host's default among them (for example the sizes its own full-graph mode keeps attention
-        inside the graph for). In those buckets every break made with
+        host's default among them (for example the sizes where keeping attention inside beats an
+        eager call sized for the live batch). In those buckets every break made with
         ``eager_break(..., capturable=True)`` is captured inline, and
         :meth:`bcg_dummy_batch` is asked for graph-resident metadata. The answer must be the same
-        on every rank. ``None``: attention breaks in every bucket.
+        on every rank. ``None``: attention breaks in every bucket. Asked before every capture of
+        the ladder (a host may capture once to measure memory and again to serve); a host may
+        prepare its own state for the buckets it names (vLLM raises its metadata builders' graph
+        bound), so the answer must not change between the asks of one engine.
         """
 
     @hookspec(firstresult=True)

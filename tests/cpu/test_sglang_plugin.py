@@ -233,6 +233,15 @@ def test_decode_context_parallelism_is_read_where_the_release_keeps_it(monkeypat
     monkeypatch.setattr(runtime_context, "get_parallel", lambda: types.SimpleNamespace(attn_dcp_size=2),
                         raising=False)
     assert eligibility._dcp_size(types.SimpleNamespace()) == 2
+    # and the runner check reads it so: a 0.5.23 runner has no dcp_size of its own
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
+    runner = types.SimpleNamespace(
+        server_args=types.SimpleNamespace(enable_lora=False), is_draft_worker=False,
+        spec_algorithm=types.SimpleNamespace(is_none=lambda: True), pp_group=types.SimpleNamespace(world_size=1),
+        model_config=types.SimpleNamespace(is_multimodal=False))
+    assert eligibility.runner_reason(runner) == "decode context parallelism"
 
 
 def vote_runner(sizes=(16, 32, 64), ratio=None):

@@ -1105,13 +1105,17 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
     config.compilation_config.max_cudagraph_capture_size = 4096  # vLLM's own FULL graphs reach further
     assert host.bcg_graph_attention(buckets, "auto") == buckets
     # a builder with no bound bcg knows how to raise keeps graph attention to vLLM's own bound,
-    # unless its backend graphs any size
+    # unless its backend graphs any size; the builders bcg can raise are then left at that bound
     config.compilation_config.max_cudagraph_capture_size = 512
     host = _v2_host(config, AttentionCGSupport.ALWAYS)
-    del host.attn_groups[0][0].metadata_builders[0].max_cudagraph_size
+    other = _v2_host(config, AttentionCGSupport.ALWAYS).attn_groups[0][0]
+    del other.metadata_builders[0].max_cudagraph_size
+    host.attn_groups[0].append(other)
     assert host.bcg_graph_attention(buckets, "graph") == [16, 512]
-    host.attn_groups[0][0].backend.get_name = lambda: "TRITON_ATTN"
+    assert host.attn_groups[0][0].metadata_builders[0].max_cudagraph_size == 512
+    other.backend.get_name = lambda: "TRITON_ATTN"
     assert host.bcg_graph_attention(buckets, "graph") == buckets
+    assert host.attn_groups[0][0].metadata_builders[0].max_cudagraph_size == 4096
     assert _v2_host(config, AttentionCGSupport.UNIFORM_BATCH).bcg_graph_attention(buckets, "graph") is None
     assert _v2_host(config, AttentionCGSupport.ALWAYS, embeds_in_graph=False).bcg_graph_attention(
         buckets, "graph") is None
@@ -1120,6 +1124,21 @@ def test_v2_attention_stays_in_the_graph_only_where_vllm_lands_full_metadata(vll
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
     config.parallel_config.data_parallel_size = 2
     assert host.bcg_graph_attention(buckets, "auto") is None
+
+
+def test_every_attention_groups_every_builder_gets_the_raised_graph_bound():
+    """Each KV-cache group has attention groups, each with a builder per microbatch: a graph step
+    reads any of them."""
+    from bcg_plugin.adapters.vllm.host import raise_graph_bound
+
+    def group(name, builders):
+        return types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda: name),
+                                     metadata_builders=[types.SimpleNamespace(max_cudagraph_size=128)
+                                                        for _ in range(builders)])
+
+    groups = [[group("FLASH_ATTN", 2)], [group("FLASH_ATTN", 1), group("FLASH_ATTN", 2)]]
+    assert raise_graph_bound(groups, 2048, 128) == 2048
+    assert [b.max_cudagraph_size for gs in groups for g in gs for b in g.metadata_builders] == [2048] * 5
 
 
 def test_the_installed_backends_bound_their_graph_steps_where_bcg_raises_it():

@@ -85,10 +85,13 @@ BARRIER_ENV = "BCG_TEST_DP_BARRIER"  # the directory of the DP ranks' barrier fi
 ENGINES = {
     "eager_fa": {"backend": "FLASH_ATTN", "bcg": False},
     "bcg_fa": {"backend": "FLASH_ATTN", "bcg": True},
-    "stale_fa": {"backend": "FLASH_ATTN", "bcg": True, "env": {"BCG_TEST_FAULTS": "stale_metadata"}},
+    # the fault acts on the metadata an eager break reads: every bucket must break for it to bite
+    "stale_fa": {"backend": "FLASH_ATTN", "bcg": True, "attention": "break",
+                 "env": {"BCG_TEST_FAULTS": "stale_metadata"}},
     # attention inside the graph in every bucket (bcg raises FA3's graph bound from vLLM's
     # max_cudagraph_capture_size, 128 at max_num_seqs=64, to the top bucket), or an eager break in
-    # every bucket; the default engines above run "auto" (inside up to max_cudagraph_capture_size)
+    # every bucket; the default engines above run "auto" (inside up to 2048 tokens: every bucket at
+    # the default chunk, so bcg_fa_break is the V2 break path's engine and stale_fa its control)
     "bcg_fa_graph": {"backend": "FLASH_ATTN", "bcg": True, "attention": "graph"},
     "bcg_triton_graph": {"backend": "TRITON_ATTN", "bcg": True, "attention": "graph"},
     "bcg_fa_break": {"backend": "FLASH_ATTN", "bcg": True, "attention": "break"},

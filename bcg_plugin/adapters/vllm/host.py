@@ -252,6 +252,12 @@ class V2Host(VllmHost):
         chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= limit]
         if chosen:
             bound = raise_graph_bound(self.attn_groups, max(chosen), configured)
+            if attention == "graph" and bound < max(chosen):
+                reason = (f"attention stays an eager break above {bound} tokens (vLLM's max_cudagraph_capture_size): "
+                          "a backend's builder bounds its graph steps there and bcg cannot raise that bound")
+                if reason not in _SAID:
+                    _SAID.add(reason)
+                    logger.warning("bcg: %s", reason)
             chosen = [b for b in chosen if b <= bound]
         return chosen
 
@@ -279,28 +285,34 @@ def raise_graph_bound(attn_groups: Any, num_tokens: int, configured: int) -> int
     mix does not hold. Raising the bound to bcg's largest graph bucket is what vLLM's FULL mode
     does with capture sizes that reach that far; its persistent schedule buffer is sized by
     request count (at least ``max_num_seqs``), which a bucket's padded batch does not exceed. A
-    builder of another backend without that attribute is held to ``configured``, unless its backend
-    is known to graph any size.
+    builder of another backend without that attribute holds every builder to ``configured``, unless
+    its backend is known to graph any size.
+
+    vLLM's own eager steps up to the raised bound then run FA3 with the same split bound as its
+    graph steps (at most ``flash_attn_max_num_splits_for_cuda_graph`` splits, not FA3's heuristic);
+    bcg serves every step in that range unless it declines one (padding, microbatching).
     """
+    builders = [(group, builder) for groups in attn_groups for group in groups
+                for builder in getattr(group, "metadata_builders", None) or ()]
     bound = num_tokens
-    for groups in attn_groups:
-        for group in groups:
-            for builder in getattr(group, "metadata_builders", None) or ():
-                if hasattr(builder, "max_cudagraph_size"):
-                    builder.max_cudagraph_size = max(builder.max_cudagraph_size or 0, num_tokens)
-                elif group.backend.get_name() not in UNBOUNDED_GRAPH_BACKENDS:
-                    bound = min(bound, configured)
+    for group, builder in builders:
+        if not hasattr(builder, "max_cudagraph_size") and group.backend.get_name() not in UNBOUNDED_GRAPH_BACKENDS:
+            bound = min(bound, configured)
+    for _, builder in builders:
+        if hasattr(builder, "max_cudagraph_size"):
+            builder.max_cudagraph_size = max(builder.max_cudagraph_size or 0, bound)
     return bound
 
 
 def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph: bool) -> str | None:
-    """Why no bucket of this V2 runner can keep attention inside the graph, or ``None`` if they can up
-    to ``max_cudagraph_capture_size``.
+    """Why no bucket of this V2 runner can keep attention inside the graph, or ``None`` if some can
+    (which ones: :meth:`V2Host.bcg_graph_attention`).
 
     vLLM lands a FULL step's metadata in persistent buffers only where every attention group's
     builder supports FULL graphs of any batch mix (FA3, TRITON_ATTN) and ``cudagraph_mode`` has FULL
-    graphs (the FA3 scheduler metadata is kept in a persistent buffer only then, and its split bound
-    and size only reach ``max_cudagraph_capture_size``). A FULL step passes no model inputs, so the
+    graphs (the FA3 scheduler metadata is kept in a persistent buffer only then; its split bound
+    reaches ``max_cudagraph_capture_size`` unless bcg raises it, :func:`raise_graph_bound`). A FULL
+    step passes no model inputs, so the
     graph must start from the token ids (no inputs_embeds).
     """
     from vllm.v1.attention.backend import AttentionCGSupport
