@@ -294,7 +294,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
             lines += [f"## {heading}", "", *_table(sizes, {m: d.get(key) or {} for m, d in good.items()}), ""]
     run_order = _processes(result)
     fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
-    for mine in ("bcg", "bcg_compile", "bcg_compile_graph"):
+    for mine in dict.fromkeys(("bcg", *targets.CONFIGURATIONS.get(result["engine"], {}))):
         lines += _ratio_sections(good, sizes, mine, run_order, fastest, result.get("replaced") or [])
     lines += hostspeed.markdown(run_order)
     if result.get("replaced"):

@@ -387,10 +387,11 @@ def attention_problem(mode: str, inline: list[list[int]]) -> str | None:
     whose attention bcg captured inside the graph (empty where the runtime does not report them)."""
     if not inline:
         return None
-    if mode in ("bcg_graph", "bcg_compile_graph") and not any(inline):
+    pinned = BCG_MODES.get(mode, {}).get("attention")
+    if pinned == "graph" and not any(inline):
         return ("bcg kept attention out of every graph (no bucket's attention backend could run inside it), so "
                 "its figures would be bcg_break's; the engine log's capture summary names the backend")
-    if mode == "bcg_break" and any(inline):
+    if pinned == "break" and any(inline):
         return "bcg captured attention inside some graphs although the mode asks for breaks"
     return None
 

@@ -284,9 +284,9 @@ def test_bench_timers_leave_bcgs_runner_patches_verifiable(monkeypatch, vllm_plu
     assert plugin.runner_patch_problem() is None
 
 
-@pytest.mark.parametrize("mode", BCG_MODES)
-@pytest.mark.parametrize("stats, engaged", [([[]], False), ([[{"summary": "replays=3 fallbacks=0"}]], True)])
-def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vllm(monkeypatch, mode, stats, engaged):
+def _fake_engine(monkeypatch, stats: list):
+    """The bench's vLLM mode module with an engine that serves every request at once and answers the
+    ``bcg_stats`` RPC with ``stats`` (one list per worker), and no GPU work around it."""
     import vllm
 
     from bcg_bench import vllm_mode as bench
@@ -308,8 +308,15 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vll
     monkeypatch.setattr(bench.Timers, "install", lambda self: None)
     monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
     monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
     monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    return bench
+
+
+@pytest.mark.parametrize("mode", BCG_MODES)
+@pytest.mark.parametrize("stats, engaged", [([[]], False), ([[{"summary": "replays=3 fallbacks=0"}]], True)])
+def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_vllm(monkeypatch, mode, stats, engaged):
+    bench = _fake_engine(monkeypatch, stats)
     if engaged:
         assert bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)["bcg_stats"] == ["replays=3 fallbacks=0"]
     else:
@@ -402,35 +409,13 @@ def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured)
     """``bcg_buckets`` and ``bcg_capture_s`` come from the runtime's stats as the worker RPC returns
     them (the capture seconds per bucket target reads both); a runtime that does not report them
     leaves them out."""
-    import vllm
-
-    from bcg_bench import vllm_mode as bench
-    from bcg_plugin.adapters.vllm import plugin
     from bcg_plugin.adapters.vllm.metrics import stats_dict
     from bcg_plugin.stats import RuntimeStats
 
     runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0, capture_seconds=1.5))
     if captured is None:
         del runtime["buckets"], runtime["capture_seconds"]
-
-    class FakeLLM:
-        def __init__(self, **kwargs):
-            pass
-
-        def generate(self, prompts, params, use_tqdm=False):
-            return [types.SimpleNamespace(metrics=None)]
-
-        def collective_rpc(self, name):
-            return [[runtime]]
-
-    monkeypatch.setattr(bench, "_env_for", lambda *a, **k: None)
-    monkeypatch.setattr(plugin, "register", lambda: None)
-    monkeypatch.setattr(plugin, "apply_runner_patches", lambda *a: True)
-    monkeypatch.setattr(bench.Timers, "install", lambda self: None)
-    monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
-    monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
-    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
-    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    bench = _fake_engine(monkeypatch, [[runtime]])
     result = bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
     assert result.get("bcg_buckets") == captured
     assert result.get("bcg_capture_s") == (1.5 if captured else None)  # bcg's part of the capture only
@@ -500,3 +485,15 @@ def test_copy_bandwidth_counts_the_bytes_read_and_written(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))  # on the CPU
     # The fake events read 1 ms per copy: 1 MB read and 1 MB written in 1 ms is 2 GB/s.
     assert bench.copy_bandwidth_gbs(reps=3, nbytes=10**6) == pytest.approx(2.0)
+
+
+def test_a_mode_that_pins_attention_fails_where_bcg_put_it_elsewhere():
+    from bcg_bench.vllm_mode import attention_problem
+
+    for mode in ("bcg_graph", "bcg_compile_graph"):
+        assert "kept attention out of every graph" in attention_problem(mode, [[]])
+        assert attention_problem(mode, [[16, 32]]) is None
+    assert "although the mode asks for breaks" in attention_problem("bcg_break", [[16]])
+    assert attention_problem("bcg_break", [[]]) is None
+    assert attention_problem("bcg", [[]]) is None and attention_problem("bcg_compile", [[16]]) is None
+    assert attention_problem("bcg_graph", []) is None  # a runtime that does not report it

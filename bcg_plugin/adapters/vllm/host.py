@@ -242,10 +242,8 @@ class V2Host(VllmHost):
         # builders' graph bound is raised to the largest bucket chosen.
         reason = graph_attention_problem(self.vllm_config, self.attn_groups, self.embeds_in_graph)
         if reason is not None:
-            if reason not in _SAID:
-                _SAID.add(reason)
-                say = logger.warning if attention == "graph" else logger.info
-                say("bcg: attention stays an eager break in every bucket: %s", reason)
+            _say_once(logger.warning if attention == "graph" else logger.info,
+                      f"attention stays an eager break in every bucket: {reason}")
             return None
         configured = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
         limit = max(configured, AUTO_GRAPH_ATTENTION_TOKENS)
@@ -253,16 +251,21 @@ class V2Host(VllmHost):
         if chosen:
             bound = raise_graph_bound(self.attn_groups, max(chosen), configured)
             if attention == "graph" and bound < max(chosen):
-                reason = (f"attention stays an eager break above {bound} tokens (vLLM's max_cudagraph_capture_size): "
-                          "a backend's builder bounds its graph steps there and bcg cannot raise that bound")
-                if reason not in _SAID:
-                    _SAID.add(reason)
-                    logger.warning("bcg: %s", reason)
+                _say_once(logger.warning, f"attention stays an eager break above {bound} tokens (vLLM's "
+                          "max_cudagraph_capture_size): a backend's builder bounds its graph steps there and bcg "
+                          "cannot raise that bound")
             chosen = [b for b in chosen if b <= bound]
         return chosen
 
 
 _SAID: set[str] = set()  # reasons already logged in this process (each runner's capture asks again)
+
+
+def _say_once(say: Any, reason: str) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        say("bcg: %s", reason)
+
 # The largest bucket "auto" keeps attention inside the graph for (unless vLLM's own FULL graphs reach
 # further). Up to it one eager FA3 call per layer costs the host more than the step's GPU work hides;
 # above it the captured grid, sized for the bucket's worst batch, costs more GPU time than a call
