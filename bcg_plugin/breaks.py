@@ -15,8 +15,10 @@ return values (break outputs must be out-parameters: pitfall 1) and raises on un
   written by an earlier segment of the same bucket, which replays right before the break;
 * a break declared ``capturable`` (attention whose host can land each batch's metadata into
   buffers fixed per bucket) is captured inline, inside the segment, in the buckets whose capture
-  asks for it (:func:`inline_breaks`): those buckets replay with no eager step there at all. Its
-  padded output rows are zeroed by the same captured scrub, right after it.
+  asks for it (:func:`inline_breaks`): those buckets replay with no eager step there at all, and
+  no scrub follows it. The host lands the step's metadata padded as for its own full graphs, whose
+  padded rows nothing zeroes either: every op but attention is row-wise, attention reads only the
+  rows its metadata names, and padded rows write no KV (their slots are the host's pad slot).
 """
 
 from __future__ import annotations
@@ -126,7 +128,9 @@ def eager_break(fn: Callable[..., Any] | None = None, *, outputs: Sequence[str] 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             inline = capturable and _capture_inline.get()
-            result = fn(*args, **kwargs) if inline else broken(*args, **kwargs)
+            if inline:  # padded rows as in the host's own full graphs, which leave them alone too
+                return fn(*args, **kwargs)
+            result = broken(*args, **kwargs)
             scrub = _capture_scrub.get()
             if scrub is not None:  # under a bucket's capture: the segment after the break begins here
                 for name, out in declared(args, kwargs):

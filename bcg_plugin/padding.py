@@ -10,7 +10,9 @@ The graph only covers the rows a bucket pads when the host picks the smallest bu
 ``[start, bucket)``, ``start`` being the next smaller bucket. A batch with fewer rows still (a
 data-parallel rank padded to its peers' bucket) has its rows ``[num_tokens, start)`` zeroed by the
 breaks themselves, as before. A bucket whose attention is captured inline has no eager step left to
-do that, so its graph covers all its rows, ``[0, bucket)``, with flags of its own.
+do that, so its graph covers all its rows, ``[0, bucket)``, with flags of its own, for the breaks
+that still run eagerly there; the inline attention itself is not followed by a scrub
+(:mod:`bcg_plugin.breaks` says why).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Run from the repository root on a CUDA machine with vLLM installed:
 ``python3 -m bcg_bench.diagnostics.scrub_cost [--rounds 3] [--sizes 16,64,256,512] [--mode bcg]``.
-Each bcg bucket's graph zeroes the padded rows of every attention output after the break, or after
-the attention call where the bucket keeps attention inside the graph (28 small ``masked_fill`` nodes
-a forward for Qwen3-0.6B), even when the batch fills the bucket and nothing is padded. This runs a
-bench bcg mode process (``bcg_bench.vllm_mode``; ``--mode``, plain ``bcg`` by default, or e.g.
-``bcg_compile_graph``) alternately as it is and with ``EXP_NO_SCRUB`` (``sitecustomize.py`` in this
+Each bcg bucket whose attention breaks zeroes the padded rows of every attention output after the
+break (28 small ``masked_fill`` nodes a forward for Qwen3-0.6B), even when the batch fills the
+bucket and nothing is padded; buckets that keep attention inside the graph have no such nodes. This
+runs a bench bcg mode process (``bcg_bench.vllm_mode``; ``--mode``, plain ``bcg`` by default, or
+e.g. ``bcg_compile``) alternately as it is and with ``EXP_NO_SCRUB`` (``sitecustomize.py`` in this
 folder: buckets captured without those nodes), ``--rounds`` times, the order reversed every round,
 and prints each process's forward device time (CUDA events), forward host time and end-to-end
 latency per N, then the median over rounds of the paired ratio without / with the zeroing. Every N

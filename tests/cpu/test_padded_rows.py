@@ -145,7 +145,9 @@ def test_a_replay_calls_the_break_itself_unless_rows_below_the_graphs_scrub_are_
 
 def test_a_capturable_break_is_recorded_inline_only_in_buckets_that_ask_for_it(fake_capture, recorded_ops):
     """Graph-resident attention: the break's kernel runs under the capture (so it is recorded into the
-    segment), leaves no eager step, and the scrub still follows it; without the bucket asking, it breaks."""
+    segment) and leaves no eager step; no scrub follows it, as none follows attention in the host's own
+    full graphs (28 nodes a forward that cost the small buckets' forward time). Without the bucket
+    asking, it breaks and the scrub follows."""
     from bcg_plugin.breaks import _capture_inline
 
     @eager_break(outputs=("out",), capturable=True)
@@ -154,7 +156,7 @@ def test_a_capturable_break_is_recorded_inline_only_in_buckets_that_ask_for_it(f
 
     rows = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({16, 32}))
     x, out = torch.ones(32, 2), torch.zeros(32, 2)
-    for inline, steps in ((True, 0), (False, 1)):
+    for inline, steps, kernels_seen in ((True, 0, ["copy_"]), (False, 1, ["copy_", "masked_fill_"])):
         tokens = (_capture_scrub.set(rows.scrub(32)), _capture_inline.set(inline))
         try:
             with fake_capture() as capture, live.bound(live.LiveBatch(32, 32)), recorded_ops() as ops:
@@ -164,7 +166,7 @@ def test_a_capturable_break_is_recorded_inline_only_in_buckets_that_ask_for_it(f
             _capture_scrub.reset(tokens[0])
         assert len(capture.recorded) == steps
         kernels = [name for name in ops.names if name not in ("slice", "view")]
-        assert kernels == ["copy_", "masked_fill_"]  # inline: both captured; else the break at capture, the scrub
+        assert kernels == kernels_seen  # inline: the kernel captured; else the break at capture, then the scrub
 
 
 def test_a_bucket_with_attention_in_the_graph_scrubs_all_its_rows_with_flags_of_its_own():
