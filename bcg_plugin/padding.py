@@ -23,12 +23,18 @@ from bcg_plugin.errors import BcgStateError
 
 
 class RowScrub:
-    """One bucket's scrub as its capture records it: zero the flagged rows in ``[start, stop)``."""
+    """One bucket's scrub as its capture records it: zero the flagged rows in ``[start, stop)``.
 
-    __slots__ = ("start", "stop", "_padded")
+    ``recorded``: how many times the capture recorded it (once per break with declared outputs
+    that ran eagerly); zero where every break of the bucket was captured inline, whose replays
+    then have no flags to set.
+    """
+
+    __slots__ = ("start", "stop", "_padded", "recorded")
 
     def __init__(self, start: int, stop: int, padded: torch.Tensor) -> None:
         self.start, self.stop, self._padded = start, stop, padded
+        self.recorded = 0
 
     def apply(self, out: torch.Tensor, name: str) -> None:
         """Captured into the segment after a break: its output ``out``'s padded rows become zeros."""
@@ -37,6 +43,7 @@ class RowScrub:
                 f"eager break output {name!r} has {out.shape[0]} rows in the capture of the {self.stop}-token "
                 f"bucket; a declared output must have one row per token of the bucket"
             )
+        self.recorded += 1
         mask = self._padded.view(-1, *([1] * (out.dim() - 1)))
         out[self.start : self.stop].masked_fill_(mask, 0)  # masked_fill, not a multiply: garbage may be NaN
 
@@ -57,6 +64,7 @@ class PaddedRows:
         self._flags = {b: torch.zeros(b, dtype=torch.bool, device=device) if b in whole else self._padded[self._start[b]:b]
                        for b in buckets}
         self._flagged_for = {bucket: bucket for bucket in buckets}  # all zeros: no row padded
+        self._scrubs: dict[int, RowScrub] = {}  # the scrub each bucket's latest capture recorded
 
     def start(self, bucket: int) -> int:
         """First row of ``bucket`` that its graph scrubs; the breaks zero padded rows below it."""
@@ -64,11 +72,14 @@ class PaddedRows:
 
     def scrub(self, bucket: int) -> RowScrub:
         """What ``bucket``'s capture records after each break."""
-        return RowScrub(self._start[bucket], bucket, self._flags[bucket])
+        self._scrubs[bucket] = RowScrub(self._start[bucket], bucket, self._flags[bucket])
+        return self._scrubs[bucket]
 
     def flag(self, bucket: int, num_tokens: int) -> None:
-        """Flag rows ``num_tokens`` and up of ``bucket``'s range as padding, before its replay."""
-        if self._flagged_for[bucket] == num_tokens:
+        """Flag rows ``num_tokens`` and up of ``bucket``'s range as padding, before its replay
+        (nothing to launch where its graph reads no flag, or already reads these)."""
+        scrub = self._scrubs.get(bucket)
+        if self._flagged_for[bucket] == num_tokens or (scrub is not None and not scrub.recorded):
             return
         torch.ge(self._rows[self._start[bucket]:bucket], num_tokens, out=self._flags[bucket])
         self._flagged_for[bucket] = num_tokens

@@ -169,6 +169,21 @@ def test_a_capturable_break_is_recorded_inline_only_in_buckets_that_ask_for_it(f
         assert kernels == kernels_seen  # inline: the kernel captured; else the break at capture, then the scrub
 
 
+def test_a_replay_sets_no_flags_for_a_bucket_whose_capture_recorded_no_scrub(recorded_ops):
+    """Every break of a graph-attention bucket captured inline: its graph reads no flag, so a replay
+    launches nothing for them; a bucket whose capture recorded the scrub still gets its flags."""
+    rows = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({16, 32}))
+    rows.scrub(32)  # captured, every break inline: nothing recorded
+    rows.scrub(48).apply(torch.zeros(48, 2), "output")
+    with recorded_ops() as ops:
+        rows.flag(32, 5)
+    assert ops.names == []
+    with recorded_ops() as ops:
+        rows.flag(48, 40)
+    assert [name for name in ops.names if name != "slice"] == ["ge"]
+    assert rows._padded[32:48].tolist() == [False] * 8 + [True] * 8
+
+
 def test_a_bucket_with_attention_in_the_graph_scrubs_all_its_rows_with_flags_of_its_own():
     rows = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({16, 32}))
     assert [rows.start(b) for b in BUCKETS] == [0, 0, 32, 48]  # no eager break is left to zero rows below
