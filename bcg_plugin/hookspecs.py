@@ -104,8 +104,10 @@ class BcgHostSpec:
         bucket, landing each batch's metadata into them before the replay; for ``"auto"``: the
         host's default among them (for example the sizes where keeping attention inside beats an
         eager call sized for the live batch). In those buckets every break made with
-        ``eager_break(..., capturable=True)`` is captured inline, and
-        :meth:`bcg_dummy_batch` is asked for graph-resident metadata. The answer must be the same
+        ``eager_break(..., capturable=True)`` is captured inline, with no padded-row scrub after
+        it, and :meth:`bcg_dummy_batch` is asked for graph-resident metadata: the host must land
+        each step's metadata so that the kernel reads only real rows and padded rows write no KV,
+        as its own full graphs require. The answer must be the same
         on every rank. ``None``: attention breaks in every bucket. Asked before every capture of
         the ladder (a host may capture once to measure memory and again to serve); a host may
         prepare its own state for the buckets it names (vLLM raises its metadata builders' graph
