@@ -71,7 +71,12 @@ def add_commands(bench: argparse.ArgumentParser) -> None:
         p.add_argument("--rerun-slow", type=_at_least(0), default=0, metavar="K",
                        help="run a mode process again, up to K times, when its host-speed probe is flagged slow "
                             "against the fastest process so far; the replaced processes stay in the result file")
-        p.set_defaults(run=_engine, parser=p, engine=engine)
+        if spec.get("attention_backends"):
+            backends = spec["attention_backends"]
+            p.add_argument("--attention-backend", choices=backends, default=backends[0],
+                           help=f"every mode's attention backend (default: {backends[0]}); SGLang's full prefill "
+                                "graphs need one that captures extend batches, which 0.5.23's triton does not")
+        p.set_defaults(run=_engine, parser=p, engine=engine, attention_backend=None)
 
     report = sub.add_parser("report", help="redraw the markdown report (and plots) of result files",
                             description="Redraw the markdown report and plots beside result JSON files written by "
@@ -199,7 +204,8 @@ def _engine(args: argparse.Namespace) -> int:
     gpus = args.tp * (args.dp if engine == "vllm" else 1)
     require_gpus(gpus, f"--tp {args.tp} --dp {args.dp}")
     path = harness.run(engine, args.model, args.sizes, args.modes, args.out, args.timeout, args.rounds,
-                       tp=args.tp, dp=args.dp, profile_tokens=args.profile, rerun_slow=args.rerun_slow)
+                       tp=args.tp, dp=args.dp, profile_tokens=args.profile, rerun_slow=args.rerun_slow,
+                       attention_backend=args.attention_backend)
     print(path.with_name(path.name[: -len(".json")] + ".md").read_text())  # written by render()
     result = json.loads(path.read_text())
     failure = harness.first_failure(result)

@@ -38,18 +38,24 @@ ENGINES = {
              "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
                        "bcg_graph", "bcg_compile", "bcg_compile_graph"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
-               "modes": ["disabled", "native", "full", "bcg"]},
+               "modes": ["disabled", "native", "full", "bcg"],
+               # Every mode of a run uses one: SGLang's full prefill graphs need a backend that can
+               # capture plain extend batches (0.5.23's triton backend cannot; flashinfer and fa3 can).
+               "attention_backends": ["triton", "flashinfer", "fa3"]},
 }
 DEFAULT_SIZES = [16, 64, 256, 512, 1024, 2048, 4096, 8192]
 
 
 def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: float,
-             parallel: dict[str, int] | None = None, profile_tokens: int | None = None) -> dict:
+             parallel: dict[str, int] | None = None, profile_tokens: int | None = None,
+             attention_backend: str | None = None) -> dict:
     spec = ENGINES[engine]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "mode.json"
         cmd = [sys.executable, "-m", spec["module"], "--mode", mode, "--model", model,
                "--sizes", ",".join(map(str, sizes)), "--out", str(out)]
+        if attention_backend is not None:
+            cmd += ["--attention-backend", attention_backend]
         for flag, size in (parallel or {}).items():
             if size > 1:
                 cmd += [f"--{flag}", str(size)]
@@ -121,8 +127,12 @@ def _merge_rounds(rounds: list[dict]) -> dict:
 
 
 def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Path, timeout_s: float,
-        rounds: int = 1, tp: int = 1, dp: int = 1, profile_tokens: int | None = None, rerun_slow: int = 0) -> Path:
+        rounds: int = 1, tp: int = 1, dp: int = 1, profile_tokens: int | None = None, rerun_slow: int = 0,
+        attention_backend: str | None = None) -> Path:
     """Run every mode in its own process, ``rounds`` times; write and render the result file.
+
+    ``attention_backend``: every mode's attention backend, for engines that list theirs (the first
+    listed where ``None``); a backend other than that default is part of the result's name.
 
     With ``rerun_slow`` K a mode process whose host-speed probe is flagged slow against the fastest
     process so far is run again, up to K times, in its place in the round: the decision reads the
@@ -141,6 +151,12 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
     if profile_tokens and not spec["profiles_workers"] and (tp > 1 or dp > 1):
         raise SystemExit(f"--profile with {engine} needs --tp 1 --dp 1 (got tp={tp} dp={dp}): the profiler runs "
                          "in the engine's own process; profile on one GPU, or use sglang, which profiles every rank")
+    backends = spec.get("attention_backends")
+    if attention_backend is not None and attention_backend not in (backends or ()):
+        raise SystemExit(f"{engine}: attention backend {attention_backend!r} is not one the bench sets; "
+                         f"choose from {', '.join(backends or ()) or 'none (the engine picks its own)'}")
+    if backends and attention_backend is None:
+        attention_backend = backends[0]
     parallel = {"tp": tp, "dp": dp}
     result = {
         "benchmark": "engine",
@@ -151,11 +167,14 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
         "env": environment(),
         "sizes": sizes,
         "parallel": parallel,
+        **({"attention_backend": attention_backend} if attention_backend else {}),
         "rounds": rounds,
         "modes": {},
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     layout = "".join(f"-{k}{v}" for k, v in parallel.items() if v > 1)
+    if backends and attention_backend != backends[0]:
+        layout += f"-{attention_backend}"
     # The engine's version is in the name: results are kept per engine, version, model and layout.
     path = out_dir / f"{engine}-{result['engine_version']}-{model}{layout}-{run_stamp(result['date'])}.json"  # model names hold dots: no with_suffix
     # Later rounds reverse the order, so no mode always runs first on a cold machine.
@@ -170,7 +189,7 @@ def run(engine: str, model: str, sizes: list[int], modes: list[str], out_dir: Pa
             for attempt in range(rerun_slow + 1):
                 print(f"[bcg bench] {engine} {mode} (round {r + 1}/{rounds}"
                       + (f", rerun {attempt}" if attempt else "") + ") ...", flush=True)
-                data = run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens)
+                data = run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend)
                 print(f"[bcg bench] {engine} {mode}: {summary_line(data)}", flush=True)
                 seen = [d.get("host_speed") for runs in per_mode.values() for d in runs] + [
                     d.get("host_speed") for d in replaced] + [data.get("host_speed")]
@@ -197,7 +216,9 @@ def _write(path: Path, result: dict, per_mode: dict[str, list[dict]], order: lis
 
 def _layout(result: dict) -> str:
     names = {"tp": "tensor parallel", "dp": "data parallel"}
-    return "".join(f", {names[k]} {v}" for k, v in (result.get("parallel") or {}).items() if v > 1)
+    backend = result.get("attention_backend")
+    return ("".join(f", {names[k]} {v}" for k, v in (result.get("parallel") or {}).items() if v > 1)
+            + (f", attention backend {backend}" if backend else ""))
 
 
 BASELINE_MODE = {"vllm": "eager", "sglang": "disabled"}

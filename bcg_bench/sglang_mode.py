@@ -83,14 +83,15 @@ def _line_count(path: Path) -> int:
 
 
 def run(mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int = 1,
-        dp: int = 1) -> dict:
+        dp: int = 1, attention_backend: str = "triton") -> dict:
     # The schedulers append to a file under it; it goes once their engine is shut down and read.
     with tempfile.TemporaryDirectory(prefix="bcg-sglang-bench-") as tmp:
-        return _measure(Path(tmp) / "record.jsonl", mode, model, sizes, warmup, iters, seed, tp, dp)
+        return _measure(Path(tmp) / "record.jsonl", mode, model, sizes, warmup, iters, seed, tp, dp,
+                        attention_backend)
 
 
 def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int, iters: int, seed: int, tp: int,
-             dp: int) -> dict:
+             dp: int, attention_backend: str) -> dict:
     from bcg_bench.models import model_dir
 
     chunk = max(max(sizes), 16)
@@ -100,7 +101,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         model_path=str(model_dir(model)),
         load_format="dummy",
         skip_tokenizer_init=True,
-        attention_backend="triton",
+        attention_backend=attention_backend,
         disable_radix_cache=True,
         chunked_prefill_size=chunk,
         cuda_graph_backend_prefill=MODES[mode],
@@ -184,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tp_size")
     p.add_argument("--dp", type=int, default=1, help="dp_size, with DP attention (SGLang needs tp_size >= dp_size)")
+    p.add_argument("--attention-backend", default="triton", help="SGLang's attention_backend")
     a = p.parse_args(argv)
     from bcg_plugin.adapters.sglang.version import installed
 
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     if problem is not None:
         p.exit(2, f"bcg bench: {problem}\n")
     sizes = sorted({int(s) for s in a.sizes.split(",") if s.strip()})
-    result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed, a.tp, a.dp)
+    result = run(a.mode, a.model, sizes, a.warmup, a.iters, a.seed, a.tp, a.dp, a.attention_backend)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("mode", "e2e_ms", "forward_ms", "init_s", "capture_s", "graph_mem_gib")}))
 

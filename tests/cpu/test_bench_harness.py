@@ -13,7 +13,7 @@ from bcg_bench.report import run_stamp
 def test_rounds_alternate_order_and_keep_the_minimum(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         calls.append(mode)
         k = len(calls)
         if mode == "native" and k > 2:
@@ -44,7 +44,7 @@ def test_ratios_paired_by_round_are_not_swayed_by_one_lucky_process(tmp_path, mo
     e2e = {"bcg": [9.0, 9.0, 9.0, 9.0], "native_ladder": [10.0, 5.0, 10.0]}  # bcg's fourth: the one-round run
     seen = {m: 0 for m in e2e}
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         value = e2e[mode][seen[mode]]
         seen[mode] += 1
         return {"e2e_ms": {str(n): value for n in sizes}}
@@ -84,7 +84,7 @@ class _Stopped(BaseException):
 def test_a_run_stopped_from_outside_keeps_every_mode_process_it_finished(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         calls.append(mode)
         if len(calls) == 4:
             raise _Stopped
@@ -137,10 +137,41 @@ def test_parallel_layout_reaches_every_mode_and_names_the_result(tmp_path, monke
     result = json.loads(path.read_text())
     assert result["parallel"] == {"tp": 2, "dp": 1}
     assert path.name == f"sglang-{result['engine_version']}-qwen3-8b-tp2-{run_stamp(result['date'])}.json"
-    assert ", tensor parallel 2. " in (tmp_path / path.name.replace(".json", ".md")).read_text()
+    assert ", tensor parallel 2, attention backend triton. " in (tmp_path / path.name.replace(".json", ".md")).read_text()
     cmds.clear()
     path = harness.run("vllm", "qwen3-30b-a3b", [16], ["bcg"], tmp_path, 10, dp=2)
     assert cmds[0][-2:] == ["--dp", "2"] and path.name.startswith("vllm-9.9.9-qwen3-30b-a3b-dp2-")
+
+
+def test_an_attention_backend_reaches_every_mode_and_a_non_default_one_names_the_result(tmp_path, monkeypatch):
+    cmds = []
+
+    class Failed:
+        returncode, pid = 1, -1
+
+        def __init__(self, cmd, **kwargs):
+            cmds.append(cmd)
+
+        def communicate(self, timeout=None):
+            return "", "no engine here"
+
+    monkeypatch.setattr(harness.subprocess, "Popen", Failed)
+    monkeypatch.setattr(harness, "end_group", lambda proc: None)
+    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
+    path = harness.run("sglang", "qwen3-0.6b", [16], ["full", "bcg"], tmp_path, 10)
+    assert all(c[c.index("--attention-backend") + 1] == "triton" for c in cmds) and len(cmds) == 2
+    assert json.loads(path.read_text())["attention_backend"] == "triton"
+    assert path.name.startswith("sglang-9.9.9-qwen3-0.6b-2")  # the default backend: no suffix
+    cmds.clear()
+    path = harness.run("sglang", "qwen3-0.6b", [16], ["full"], tmp_path, 10, attention_backend="flashinfer")
+    assert cmds[0][cmds[0].index("--attention-backend") + 1] == "flashinfer"
+    assert path.name.startswith("sglang-9.9.9-qwen3-0.6b-flashinfer-")
+    assert ", attention backend flashinfer. " in (tmp_path / path.name.replace(".json", ".md")).read_text()
+    cmds.clear()
+    harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10)
+    assert "--attention-backend" not in cmds[0]  # vLLM's modes keep the backend vLLM picks
+    with pytest.raises(SystemExit, match="vllm: attention backend 'triton' is not one the bench sets"):
+        harness.run("vllm", "qwen3-0.6b", [16], ["bcg"], tmp_path, 10, attention_backend="triton")
 
 
 def test_render_writes_report_and_three_plots(tmp_path):
@@ -433,7 +464,7 @@ def test_report_gives_the_host_time_per_attention_break_when_both_attention_mode
 def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, monkeypatch):
     """The mode process's weight bytes and copy bandwidth survive the harness's merge of rounds; the
     report divides the forward by the floor at N <= 128 only."""
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         return {"e2e_ms": {str(n): 9.0 for n in sizes}, "forward_ms": {"16": 4.2, "128": 7.0, "256": 9.0},
                 "weight_bytes": 16 * 10**9, "vocab_weight_bytes": 2 * 10**9, "copy_bandwidth_gbs": 4000.0}
 

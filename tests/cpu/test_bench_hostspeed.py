@@ -55,7 +55,7 @@ def test_report_flags_only_processes_slower_than_the_factor():
 def test_the_run_report_lists_processes_in_run_order_with_their_round(tmp_path, monkeypatch):
     probes = iter([900.0, 1400.0, 980.0, 950.0])  # bcg, native, native, bcg
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         return {"e2e_ms": {str(n): 5.0 for n in sizes}, "host_speed": _speed(next(probes))}
 
     monkeypatch.setattr(harness, "run_mode", fake_run_mode)
@@ -74,7 +74,7 @@ def test_the_run_report_lists_processes_in_run_order_with_their_round(tmp_path, 
 def _run_with(tmp_path, monkeypatch, e2e, probes, rounds, forward_host=None):
     seen = {m: 0 for m in e2e}
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         k = seen[mode]
         seen[mode] += 1
         data = {"e2e_ms": {str(n): e2e[mode][k] for n in sizes}, "host_speed": _speed(probes[mode][k])}
@@ -115,7 +115,7 @@ def test_rerun_slow_runs_a_flagged_process_again_in_its_place_and_keeps_the_repl
                  (5.9, 1290.0), (5.8, 1280.0)])
     calls = []
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         e2e, probe = next(runs)
         calls.append(mode)
         return {"e2e_ms": {str(n): e2e for n in sizes}, "host_speed": _speed(probe)}
@@ -184,7 +184,7 @@ def test_equal_speed_ratios_count_processes_run_again_and_need_three_per_mode(tm
     # Two rounds give each mode two kept processes; bcg's replaced first try is its third point.
     runs = iter([(5.0, 1000.0), (7.5, 1500.0), (5.5, 1100.0), (5.25, 1050.0), (5.2, 1040.0)])
 
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens):
+    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         e2e, probe = next(runs)
         return {"e2e_ms": {str(n): e2e for n in sizes}, "host_speed": _speed(probe)}
 

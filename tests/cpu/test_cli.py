@@ -170,6 +170,13 @@ def test_bad_engine_options(tmp_path, args, fragment):
     one_line_error(bcg("bench", "vllm", *args, "--modes", "eager", "--out", str(tmp_path)), 2, fragment)
 
 
+def test_an_attention_backend_the_sglang_bench_does_not_set(tmp_path):
+    one_line_error(bcg("bench", "sglang", "--attention-backend", "torch_native", "--out", str(tmp_path)), 2,
+                   "argument --attention-backend: invalid choice: 'torch_native'")
+    one_line_error(bcg("bench", "vllm", "--attention-backend", "triton", "--out", str(tmp_path)), 2,
+                   "unrecognized arguments: --attention-backend triton")
+
+
 def test_an_output_directory_that_cannot_be_made(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
