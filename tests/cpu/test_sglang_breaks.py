@@ -128,6 +128,19 @@ def test_attention_stores_the_real_rows_of_a_dp_padded_batch_and_restores_its_ca
     assert backend.seen_position_rows == [5 if attention._narrows_positions() else 12]
 
 
+def test_an_idle_dp_rank_padded_to_its_peers_bucket_calls_no_backend_and_writes_zeros():
+    """SGLang 0.5.23 pads an idle DP rank to the bucket with no real row; its own eager attention then
+    only zeroes the output, and flashinfer refuses a call with no query row."""
+    backend = _ExtendBackend()
+    batch, fb, q, k, v = _padded_dp_batch(backend, real=0)
+    out = torch.full((16, WIDTH), float("nan"))
+    with live.bound(batch):
+        attention.bcg_attention(q, k, v, out, True, 0)
+    assert backend.seen_cache_loc_rows == []
+    assert not out[:12].any()  # the landed rows; the bucket's rows past them are the graph's scrub
+    assert not fb.token_to_kv_pool.k.any()
+
+
 def test_attention_restores_the_cache_slots_when_the_backend_raises():
     backend = _ExtendBackend(fail=True)
     batch, fb, q, k, v = _padded_dp_batch(backend)

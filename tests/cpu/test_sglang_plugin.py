@@ -244,13 +244,15 @@ def test_decode_context_parallelism_is_read_where_the_release_keeps_it(monkeypat
     assert eligibility.runner_reason(runner) == "decode context parallelism"
 
 
-def vote_runner(sizes=(16, 32, 64), ratio=None):
-    """A BcgPrefillRunner whose core is a real, CPU-built core marked captured (no GPU work)."""
+def vote_runner(sizes=(16, 32, 64), ratio=None, dp_ranks=None):
+    """A BcgPrefillRunner whose core is a real, CPU-built core marked captured (no GPU work), its
+    graphs captured for ``dp_ranks`` DP-attention ranks (``None``: no DP attention)."""
     cfg = BcgConfig(enable=True, sizes=sizes, max_padding_ratio=ratio)
     core = PrefillGraphRunner(plugin_manager(), cfg, chunk_size=max(sizes), device="cpu")
     core._graphs = {b: None for b in core.buckets}
     runner = object.__new__(BcgPrefillRunner)
     runner.core = core
+    runner.host = types.SimpleNamespace(dp_ranks=dp_ranks)
     runner.stats_reporter = StatsReporter(core.stats, logger=logging.getLogger("bcg_plugin.sglang"), interval_s=0)
     runner._planned = None
     runner._unknown_kwargs_logged = False
@@ -297,7 +299,7 @@ DP_VOTE = for_installed([("<0.5.19", {"can_run_dp_breakable_cuda_graph"}),
 
 
 def test_dp_ranks_replay_together_or_not_at_all():
-    r = vote_runner()
+    r = vote_runner(dp_ranks=2)
     fb = fake_batch(30, across=[10, 30])
     assert r.can_run_graph(fb) and r._planned == (fb, 32)  # bucket from the max over ranks
     assert not r.can_run_graph(fake_batch(30, across=[10, 30], agreed=False))  # a rank voted no
@@ -305,6 +307,41 @@ def test_dp_ranks_replay_together_or_not_at_all():
     assert r.core.stats.fallbacks["dp_disagreement"] == 2
     assert not r.can_run_graph(fake_batch(65))
     assert r.core.stats.fallbacks["over_top_bucket"] == 1
+
+
+def test_a_dp_width_other_than_the_captured_one_runs_eagerly():
+    """The captured gather buffer holds the counts of the ranks it was captured for; a batch gathered
+    over another number of ranks would overrun it."""
+    assert not vote_runner(dp_ranks=2).can_run_graph(fake_batch(30, across=[10, 30, 30, 30]))
+    r = vote_runner()  # captured without DP attention
+    assert not r.can_run_graph(fake_batch(30, across=[10, 30]))
+    assert r.core.stats.fallbacks["feature_not_captured"] == 1
+    assert r.can_run_graph(fake_batch(30, across=[30]))
+
+
+def test_the_dp_width_counts_sglang_0_5_23_attention_dp_ranks(monkeypatch):
+    """SGLang 0.5.23 resolves DP attention to ``attn_dp_size`` ranks with ``dp_size`` 1; its
+    ``num_dp_ranks`` counts every rank, as its own runner captures; earlier releases have ``dp_size``."""
+    from sglang.srt import runtime_context, utils
+
+    from bcg_plugin.adapters.sglang import host
+
+    class Parallel:
+        dp_size = 1
+
+        @property
+        def num_dp_ranks(self):
+            return 4
+
+    monkeypatch.setattr(utils, "require_mlp_tp_gather", lambda *a, **k: True)
+    monkeypatch.setattr(runtime_context, "get_parallel", Parallel, raising=False)
+    runner = types.SimpleNamespace(server_args=types.SimpleNamespace())
+    assert host._dp_layout(runner) == 4
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: types.SimpleNamespace(dp_size=2), raising=False)
+    assert host._dp_layout(runner) == 2
+    if SpecifierSet(">=0.5.23").contains(INSTALLED, prereleases=True):  # the installed release has it so
+        monkeypatch.undo()
+        assert isinstance(getattr(runtime_context.ParallelContext, "num_dp_ranks", None), property)
 
 
 def test_a_keyword_a_later_sglang_adds_means_eager_not_a_crash(caplog):

@@ -74,6 +74,9 @@ def bcg_attention(
     fb = fwd.forward_batch
     # Rows the core landed (DP may pad the batch itself); attention sees only the real ones.
     n = _real_rows(fb, batch.num_tokens)
+    if n == 0:  # an idle DP rank padded to its peers' bucket: as SGLang's eager attention, zeros only
+        output[: batch.num_tokens].zero_()  # (flashinfer refuses a call with no query row)
+        return
     for name in _PER_TOKEN_KWARGS:
         if kwargs.get(name) is not None:
             kwargs[name] = kwargs[name][:n]

@@ -38,6 +38,11 @@ class SglangHost:
         # the dummy batch that brought them, as SGLang's own runner keeps its dummy batch.
         self._dp_counts: dict[int, torch.Tensor] = {}
 
+    @property
+    def dp_ranks(self) -> int | None:
+        """Ranks whose token counts the captured body gathers over, or ``None`` without DP attention."""
+        return self._dp
+
     def forward_pass(self, forward_batch: Any, forward_kwargs: dict | None = None) -> ForwardPass:
         return ForwardPass(
             forward_batch=forward_batch,
@@ -256,7 +261,10 @@ def _dp_layout(model_runner: Any) -> int | None:
     from sglang.srt.utils import require_attn_tp_gather, require_mlp_tp_gather
 
     if _gather_check(require_mlp_tp_gather, model_runner.server_args):
-        return get_parallel().dp_size
+        parallel = get_parallel()
+        # SGLang 0.5.23 resolves DP attention to attn_dp_size ranks with dp_size 1 (replicas); its
+        # num_dp_ranks counts both, as its own runner captures with.
+        return parallel.num_dp_ranks if hasattr(type(parallel), "num_dp_ranks") else parallel.dp_size
     if _gather_check(require_attn_tp_gather, model_runner.server_args):
         return 1
     return None

@@ -152,6 +152,12 @@ class BcgPrefillRunner:
                 self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
             return False
         across_dp = forward_batch.global_num_tokens_cpu
+        if across_dp is not None and len(across_dp) != (self.host.dp_ranks or 1):
+            # The graphs gather over as many ranks as they were captured for; another width would
+            # overrun their gather buffer. The width is replicated: every rank refuses alike.
+            if self.core.captured:
+                self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+            return False
         if across_dp is not None and len(across_dp) > 1:
             # SGLang's schedule-time vote (all ranks' can_replay_locally, min-reduced) plus every
             # rank holding tokens: replicated values, so every rank takes the same branch.
