@@ -17,7 +17,8 @@ return values (break outputs must be out-parameters: pitfall 1) and raises on un
   buffers fixed per bucket) is captured inline, inside the segment, in the buckets whose capture
   asks for it (:func:`inline_breaks`): those buckets replay with no eager step there at all, and
   no scrub follows it. The host lands the step's metadata padded as for its own full graphs, whose
-  padded rows nothing zeroes either: every op but attention is row-wise, attention reads only the
+  padded rows nothing zeroes either: every op but attention is row-wise (a dynamic per-tensor
+  activation scale, e.g. FP8 MoE input quantisation, reads them there too), attention reads only the
   rows its metadata names, and padded rows write no KV (their slots are the host's pad slot).
 """
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import types
@@ -1073,6 +1074,7 @@ def _v2_host(vllm_config, support, embeds_in_graph=True):
                                   kv_cache_spec=None, backend=types.SimpleNamespace(get_name=lambda: "SOME_ATTN"))
     host = object.__new__(V2Host)
     host.vllm_config, host.attn_groups, host.embeds_in_graph = vllm_config, [[group]], embeds_in_graph
+    host._raised_bounds = []
     return host
 
 
@@ -1137,8 +1139,37 @@ def test_every_attention_groups_every_builder_gets_the_raised_graph_bound():
                                                         for _ in range(builders)])
 
     groups = [[group("FLASH_ATTN", 2)], [group("FLASH_ATTN", 1), group("FLASH_ATTN", 2)]]
-    assert raise_graph_bound(groups, 2048, 128) == 2048
+    raised = []
+    assert raise_graph_bound(groups, 2048, 128, raised) == 2048
     assert [b.max_cudagraph_size for gs in groups for g in gs for b in g.metadata_builders] == [2048] * 5
+    assert len(raised) == 5 and {previous for _, previous in raised} == {128}
+    assert raise_graph_bound(groups, 1024, 128, raised) == 1024 and len(raised) == 5  # already above: kept
+
+
+def test_a_failed_capture_or_closed_graphs_put_the_builders_bound_back():
+    """Without bcg's graphs vLLM's eager steps above its own bound get FA3's split heuristic back,
+    not the graph bound bcg raised for its buckets."""
+    from bcg_plugin.adapters.vllm.host import V2Host, raise_graph_bound
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
+
+    builder = types.SimpleNamespace(max_cudagraph_size=128)
+    host = object.__new__(V2Host)
+    host.attn_groups = [[types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda: "FLASH_ATTN"),
+                                               metadata_builders=[builder])]]
+    host._raised_bounds = []
+    host.capturing = contextlib.nullcontext
+    raise_graph_bound(host.attn_groups, 2048, 128, host._raised_bounds)
+    graphs = object.__new__(VllmPrefillGraphs)
+    graphs.host, graphs._reports = host, False
+    graphs.runner = types.SimpleNamespace(capture=lambda progress: None, captured=False, buckets=[16])
+    graphs.capture()  # the capture failed (capture_failure "eager")
+    assert builder.max_cudagraph_size == 128
+    raise_graph_bound(host.attn_groups, 2048, 128, host._raised_bounds)
+    graphs.runner = types.SimpleNamespace(close=lambda: None)
+    graphs._dispatched, graphs._graph_requests, graphs._buckets = {}, {}, frozenset()
+    host.capture_contexts, host.capture_metadata = {}, {}
+    graphs.close()
+    assert builder.max_cudagraph_size == 128
 
 
 def test_the_installed_backends_bound_their_graph_steps_where_bcg_raises_it():

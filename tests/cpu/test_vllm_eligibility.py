@@ -240,7 +240,8 @@ def test_a_failed_capture_with_eager_fallback_warns_once_with_what_the_engine_ru
     cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False})
     graphs = object.__new__(VllmPrefillGraphs)
     graphs._reports = True
-    graphs.host = types.SimpleNamespace(vllm_config=cfg, capturing=contextlib.nullcontext, capture_contexts={})
+    graphs.host = types.SimpleNamespace(vllm_config=cfg, capturing=contextlib.nullcontext, capture_contexts={},
+                                        lower_graph_bound=lambda: None)
     # What the core leaves after a capture failed on some rank with capture_failure "eager".
     graphs.runner = types.SimpleNamespace(capture=lambda progress: None, captured=False, buckets=[16, 32])
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):

@@ -76,6 +76,10 @@ class VllmHost:
         """The persistent metadata buffers a graph-attention replay reads, by name (for fault plugins)."""
         return {}
 
+    def lower_graph_bound(self) -> None:
+        """Put back the metadata builders' graph bound :meth:`bcg_graph_attention` raised, once no
+        graph of this host will replay (a failed capture, or closed graphs)."""
+
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         """vLLM's graph-capture context, with TP custom all-reduce buffers registered at exit.
@@ -205,6 +209,13 @@ class V2Host(VllmHost):
         self.attn_groups = attn_groups
         self.kv_cache_config = kv_cache_config
         self.persistent_inputs = {"input_ids": input_buffers.input_ids, "positions": input_buffers.positions}
+        self._raised_bounds: list[tuple[Any, Any]] = []  # (builder, its bound before bcg raised it)
+
+    def lower_graph_bound(self) -> None:
+        # Without bcg's graphs, vLLM's eager steps above its own bound get FA3's split heuristic back.
+        while self._raised_bounds:
+            builder, previous = self._raised_bounds.pop()
+            builder.max_cudagraph_size = previous
 
     def capture_context(self, num_tokens: int, graph_attention: bool = False) -> Any:
         from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
@@ -249,7 +260,7 @@ class V2Host(VllmHost):
         limit = max(configured, AUTO_GRAPH_ATTENTION_TOKENS)
         chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= limit]
         if chosen:
-            bound = raise_graph_bound(self.attn_groups, max(chosen), configured)
+            bound = raise_graph_bound(self.attn_groups, max(chosen), configured, self._raised_bounds)
             if attention == "graph" and bound < max(chosen):
                 _say_once(logger.warning, f"attention stays an eager break above {bound} tokens (vLLM's "
                           "max_cudagraph_capture_size): a backend's builder bounds its graph steps there and bcg "
@@ -277,7 +288,8 @@ AUTO_GRAPH_ATTENTION_TOKENS = 2048
 UNBOUNDED_GRAPH_BACKENDS = ("TRITON_ATTN",)
 
 
-def raise_graph_bound(attn_groups: Any, num_tokens: int, configured: int) -> int:
+def raise_graph_bound(attn_groups: Any, num_tokens: int, configured: int,
+                      raised: list[tuple[Any, Any]] | None = None) -> int:
     """Let every metadata builder treat steps of up to ``num_tokens`` as graph steps; return the
     largest step every builder now does (``configured``, vLLM's ``max_cudagraph_capture_size``,
     where a builder's bound cannot be raised).
@@ -294,6 +306,8 @@ def raise_graph_bound(attn_groups: Any, num_tokens: int, configured: int) -> int
     vLLM's own eager steps up to the raised bound then run FA3 with the same split bound as its
     graph steps (at most ``flash_attn_max_num_splits_for_cuda_graph`` splits, not FA3's heuristic);
     bcg serves every step in that range unless it declines one (padding, microbatching).
+    ``raised`` collects ``(builder, previous bound)`` for each builder changed, for
+    :meth:`V2Host.lower_graph_bound`.
     """
     builders = [(group, builder) for groups in attn_groups for group in groups
                 for builder in getattr(group, "metadata_builders", None) or ()]
@@ -302,8 +316,10 @@ def raise_graph_bound(attn_groups: Any, num_tokens: int, configured: int) -> int
         if not hasattr(builder, "max_cudagraph_size") and group.backend.get_name() not in UNBOUNDED_GRAPH_BACKENDS:
             bound = min(bound, configured)
     for _, builder in builders:
-        if hasattr(builder, "max_cudagraph_size"):
-            builder.max_cudagraph_size = max(builder.max_cudagraph_size or 0, bound)
+        if hasattr(builder, "max_cudagraph_size") and (builder.max_cudagraph_size or 0) < bound:
+            if raised is not None:
+                raised.append((builder, builder.max_cudagraph_size))
+            builder.max_cudagraph_size = bound
     return bound
 
 

@@ -107,6 +107,7 @@ class VllmPrefillGraphs:
         with self.host.capturing():
             self.runner.capture(progress=self._reports)
         if not self.runner.captured:
+            self.host.lower_graph_bound()
             if self.runner.buckets and self._reports:  # the capture failed, with capture_failure "eager"
                 warn_declined(self.host.vllm_config, "the prefill graph capture failed")
             return
@@ -206,6 +207,7 @@ class VllmPrefillGraphs:
 
     def close(self) -> None:
         self.runner.close()
+        self.host.lower_graph_bound()
         self.host.capture_contexts.clear()
         self.host.capture_metadata.clear()
         self._buckets = frozenset()
