@@ -428,7 +428,10 @@ def write_summary(engine: str, seconds: float, run: dict, memory: dict, counters
 
 
 def _commit() -> str | None:
-    """HEAD, with ``-dirty`` appended when the tree that ran differs from it."""
+    """``GIT_COMMIT`` where set (a copied tree whose git data may lag its files, as the bench and
+    ci/gpu-tests.sh read it), else HEAD, with ``-dirty`` appended when the tree that ran differs from it."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], cwd=HERE,
                               capture_output=True, text=True, timeout=10).stdout.strip() or None
