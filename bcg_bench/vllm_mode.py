@@ -38,7 +38,8 @@ timed requests: the report's weight-read floor of a forward. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
 under ``torch.profiler`` (:mod:`bcg_bench.profile`). The bcg modes also record ``bcg_stats`` (each
 serving runner's summary line), ``bcg_buckets`` and ``bcg_capture_s`` (the buckets bcg captured
-and the seconds it took, which the capture seconds per bucket target reads) and, where the runtime reports them, ``graph_attention_buckets``.
+and the seconds it took, which the capture seconds per bucket target reads) and, where the
+runtime reports them, ``graph_attention_buckets``.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 

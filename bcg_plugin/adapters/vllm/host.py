@@ -277,6 +277,7 @@ def _say_once(say: Any, reason: str) -> None:
         _SAID.add(reason)
         say("bcg: %s", reason)
 
+
 # The largest bucket "auto" keeps attention inside the graph for (unless vLLM's own FULL graphs reach
 # further). Up to it one eager FA3 call per layer costs the host more than the step's GPU work hides;
 # above it the captured grid, sized for the bucket's worst batch, costs more GPU time than a call
@@ -331,8 +332,7 @@ def graph_attention_problem(vllm_config: Any, attn_groups: Any, embeds_in_graph:
     builder supports FULL graphs of any batch mix (FA3, TRITON_ATTN) and ``cudagraph_mode`` has FULL
     graphs (the FA3 scheduler metadata is kept in a persistent buffer only then; its split bound
     reaches ``max_cudagraph_capture_size`` unless bcg raises it, :func:`raise_graph_bound`). A FULL
-    step passes no model inputs, so the
-    graph must start from the token ids (no inputs_embeds).
+    step passes no model inputs, so the graph must start from the token ids (no inputs_embeds).
     """
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
