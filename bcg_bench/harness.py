@@ -326,12 +326,17 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
-    extra = " | of which torch's allocator GiB" if split else ""
-    lines += [f"| mode | init s | capture s | graph memory GiB{extra} |", "|---|---|---|---|" + "---|" * split]
+    estimated = any(d.get("graph_mem_estimate_gib") is not None for d in good.values())
+    extra = (" | of which torch's allocator GiB" if split else "") + (
+        " | estimated before the KV cache was sized, GiB" if estimated else "")
+    lines += [f"| mode | init s | capture s | graph memory GiB{extra} |",
+              "|---|---|---|---|" + "---|" * (split + estimated)]
     for m, d in good.items():
         cells = [_fmt(d.get("init_s")), _fmt(d.get("capture_s")), _fmt(d.get("graph_mem_gib"), 3)]
         if split:
             cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
+        if estimated:
+            cells.append(_fmt(d.get("graph_mem_estimate_gib"), 3))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + _footprint(good)
     lines += _break_cost_section(break_cost(good, result["model"].get("num_hidden_layers"), sizes))

@@ -26,7 +26,9 @@ contract of :mod:`bcg_bench.harness`: ``e2e_ms``, ``forward_ms`` (N -> ms), ``in
 ``capture_s``, ``graph_mem_gib``; plus ``forward_host_ms``, the host time spent issuing the
 forward, which tells a launch-bound forward (host ~ device time) from a GPU-bound one, and
 ``graph_mem_allocator_gib``, the part of ``graph_mem_gib`` torch's caching allocator holds (graph
-pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries; and
+pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries;
+``graph_mem_estimate_gib``, the graph memory vLLM's worker estimated before it sized the KV cache
+(bcg's share included where bcg runs), against which ``graph_mem_gib`` is the capture's actual figure; and
 ``device_used_gib`` and ``kv_cache_gib``, the device memory in use once every N has been served and the
 KV cache's part of it. What is left beyond the KV cache (weights, graphs, and the activation blocks
 torch's allocator keeps cached after the largest eager forward) is what each mode costs a server at
@@ -122,6 +124,7 @@ class Timers:
         self.kv_cache_bytes = 0
         self.graph_bytes = 0
         self.allocator_bytes = 0
+        self.graph_estimate_bytes: int | None = None
         self.weight_bytes: int | None = None
         self.vocab_weight_bytes: int | None = None
         self.forwards: list = []
@@ -177,6 +180,8 @@ class Timers:
             if self.weight_bytes is None:  # the model is loaded before its KV cache is sized
                 self.weight_bytes, self.vocab_weight_bytes = parameter_bytes(worker.get_model())
             used_before = used_device_bytes()
+            # Set by the worker's memory profiling, which runs before the KV cache is sized here.
+            self.graph_estimate_bytes = getattr(worker, "cudagraph_memory_estimate", None)
             result = original(worker, *args, **kwargs)
             self.kv_cache_bytes += used_device_bytes() - used_before
             return result
@@ -344,6 +349,8 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         result.update(forward_ms=fwd, forward_host_ms=fwd_host, capture_s=timers.capture_s,
                       profile_capture_s=timers.profile_capture_s,
                       graph_mem_gib=timers.graph_bytes / 2**30, graph_mem_allocator_gib=timers.allocator_bytes / 2**30,
+                      graph_mem_estimate_gib=(None if timers.graph_estimate_bytes is None
+                                              else timers.graph_estimate_bytes / 2**30),
                       device_used_gib=device_used / 2**30, kv_cache_gib=timers.kv_cache_bytes / 2**30,
                       weight_bytes=timers.weight_bytes, vocab_weight_bytes=timers.vocab_weight_bytes,
                       copy_bandwidth_gbs=bandwidth,

@@ -158,27 +158,30 @@ class PrefillGraphRunner:
         logger.warning("bcg: prefill graph capture failed on at least one rank; every rank runs prefill eagerly")
 
     def estimate_graph_bytes(self) -> int:
-        """Device memory :meth:`capture` will take, from capturing the two largest buckets and releasing them.
+        """Device memory :meth:`capture` will take, from capturing a sample of buckets and releasing them.
 
         For hosts that size their KV cache before any capture. The top bucket's capture takes the
         pool (the activations every smaller bucket reuses), the static buffers and its own
-        segments; each further bucket adds little more than its own segments, which the second
-        bucket samples. The estimate is the first plus the second times the remaining buckets: the
-        extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and agrees
-        on the outcome as in :meth:`capture`. The runner is left as it was, so :meth:`capture` can
-        follow; if the sample fails on any rank the estimate is 0 (logged): it is advice for the
-        host, and the capture itself decides later. A failure that leaves the device unusable
-        raises instead, as in :meth:`capture`.
+        segments; each further bucket adds little more than its own segments, which the next
+        bucket of its kind samples: a bucket with attention inside the graph is one segment, one
+        with eager breaks a segment per layer, so the largest of each kind is sampled. The
+        estimate is the top bucket plus each sample times the buckets of its kind it stands for:
+        the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and
+        agrees on the outcome as in :meth:`capture`. The runner is left as it was, so
+        :meth:`capture` can follow; if the sample fails on any rank the estimate is 0 (logged): it
+        is advice for the host, and the capture itself decides later. A failure that leaves the
+        device unusable raises instead, as in :meth:`capture`.
         """
         if not self.config.active or not self.buckets:
             return 0
         if self._graphs:
             raise BcgStateError("estimate_graph_bytes() must come before capture(): it captures and releases buckets")
-        sample = sorted(self.buckets, reverse=True)[:2]
         free = [self._free_device_bytes()]
         warmup_seconds = self.stats.warmup_seconds
         usable = True
         try:
+            stands_for = self._estimate_sample()
+            sample = sorted(stands_for, reverse=True)  # the order _capture_buckets captures them in
             self._capture_all(sample, progress=False, after_each=lambda: free.append(self._free_device_bytes()))
         except Exception as e:  # OOM or a failure on any rank alike: the estimate is advisory
             lost = self._device_lost(e, "memory estimate")
@@ -193,11 +196,25 @@ class PrefillGraphRunner:
             if usable:  # releasing graphs on a device that runs nothing would raise over the error above
                 self.close()
             self.stats.warmup_seconds = warmup_seconds
-        first, more = free[0] - free[1], (free[1] - free[2] if len(free) > 2 else 0)
-        estimate = max(first, 0) + max(more, 0) * (len(self.buckets) - 1)
+        cost = {bucket: max(free[i] - free[i + 1], 0) for i, bucket in enumerate(sample)}
+        estimate = sum(cost[bucket] * count for bucket, count in stands_for.items())
         logger.info("bcg: prefill graph memory estimated at %.3f GiB for %d buckets (top bucket %.3f GiB, "
-                    "each further one %.1f MiB)", estimate / 2**30, len(self.buckets), first / 2**30, more / 2**20)
+                    "each further one %s)", estimate / 2**30, len(self.buckets), cost[sample[0]] / 2**30,
+                    " or ".join(f"{cost[b] / 2**20:.1f} MiB" for b in sample[1:]) or "none")
         return estimate
+
+    def _estimate_sample(self) -> dict[int, int]:
+        """The buckets :meth:`estimate_graph_bytes` captures, each with how many buckets it stands for:
+        the top bucket for itself, then the largest further bucket of each kind (attention inside the
+        graph or broken out) for every further bucket of that kind."""
+        plan = self._plan_attention()
+        top, *rest = sorted(self.buckets, reverse=True)
+        sample = {top: 1}
+        for inline in (top in plan, top not in plan):
+            kind = [bucket for bucket in rest if (bucket in plan) == inline]
+            if kind:
+                sample[kind[0]] = len(kind)
+        return sample
 
     def _device_lost(self, error: BaseException, during: str) -> BcgCaptureError | None:
         """The error to fail the boot with if ``error``, raised during ``during``, left the device

@@ -373,6 +373,24 @@ def test_report_shows_memory_beyond_the_kv_cache_only_when_measured():
     assert "Device memory once every N" not in harness.to_markdown(result)
 
 
+def test_report_sets_the_graph_memory_estimate_beside_the_capture_only_when_recorded():
+    result = {
+        "engine": "vllm", "engine_version": "0.33.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
+        "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.14.1"}, "sizes": [16],
+        "modes": {
+            "full": {"e2e_ms": {"16": 5.0}, "init_s": 10.0, "capture_s": 3.0, "graph_mem_gib": 0.7,
+                     "graph_mem_estimate_gib": 0.75},
+            "bcg": {"e2e_ms": {"16": 5.0}, "init_s": 11.0, "capture_s": 2.0, "graph_mem_gib": 0.8},
+        },
+    }
+    md = harness.to_markdown(result)
+    assert "| mode | init s | capture s | graph memory GiB | estimated before the KV cache was sized, GiB |" in md
+    assert "| full | 10.00 | 3.00 | 0.700 | 0.750 |" in md
+    assert "| bcg | 11.00 | 2.00 | 0.800 | - |" in md
+    del result["modes"]["full"]["graph_mem_estimate_gib"]
+    assert "estimated before the KV cache" not in harness.to_markdown(result)
+
+
 def test_bcg_compile_gets_its_own_ratios_against_the_hosts_modes_only():
     rounds = {"native_ladder": [5.0, 4.0], "bcg": [5.0, 5.0], "bcg_compile": [6.0, 4.4]}
     modes = {m: {"e2e_ms": {"16": min(v)}, "rounds": [{"e2e_ms": {"16": x}} for x in v]} for m, v in rounds.items()}

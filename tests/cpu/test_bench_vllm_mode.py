@@ -157,8 +157,10 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
     timers = bench.Timers()
     timers.install()
     model = torch.nn.Linear(4, 8, dtype=torch.bfloat16)
-    Worker.initialize_from_config(types.SimpleNamespace(get_model=lambda: model), 3 * 2**30)
+    worker = types.SimpleNamespace(get_model=lambda: model, cudagraph_memory_estimate=2**29)
+    Worker.initialize_from_config(worker, 3 * 2**30)
     assert timers.kv_cache_bytes == 3 * 2**30
+    assert timers.graph_estimate_bytes == 2**29  # what the worker's memory profiling set before
     assert (timers.weight_bytes, timers.vocab_weight_bytes) == ((4 * 8 + 8) * 2, 0)  # the model loaded before it
     assert bench.used_device_bytes() == (140 - 77) * 2**30
 

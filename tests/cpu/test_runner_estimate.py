@@ -177,3 +177,36 @@ def test_estimate_and_capture_share_one_stream_when_the_host_names_none(monkeypa
     assert len(made) == (0 if torch_default else 1), made
     expected = torch_stream or made[0]
     assert all(s is expected for s in seen), (expected, seen)
+
+
+class _InlineSmall:
+    """A host that captures attention inside the graph in the two smallest buckets."""
+
+    INLINE = (16, 32)
+
+    @hookimpl
+    def bcg_graph_attention(self, buckets, attention):
+        return [b for b in buckets if b in self.INLINE]
+
+
+def test_estimate_samples_the_largest_further_bucket_of_each_kind(monkeypatch):
+    """A bucket with attention inside the graph is one segment, one with breaks a segment per layer:
+    each kind's further buckets are extrapolated from the largest of that kind."""
+    inline_cost = 2
+    device = _FakeDevice()
+    capture = device.capture
+
+    def capture_by_kind(bucket, stream, warm=True):
+        graph = capture(bucket, stream, warm)
+        if bucket in _InlineSmall.INLINE:  # cheaper than the FURTHER_COST capture() took
+            device.free += FURTHER_COST - inline_cost
+        return graph
+
+    runner = PrefillGraphRunner(plugin_manager(_InlineSmall()), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
+                                device=torch.device("cuda", 0))
+    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
+    runner._prepare_capture = lambda: None
+    runner._capture_bucket = capture_by_kind
+    estimate = runner.estimate_graph_bytes()
+    assert device.captured == [128, 64, 32]  # the top bucket, then the largest further one of each kind
+    assert estimate == TOP_COST + FURTHER_COST * 1 + inline_cost * 2

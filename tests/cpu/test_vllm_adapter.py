@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from bcg_plugin.adapters.vllm import launch, plugin, version  # noqa: E402
 from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Wrap  # noqa: E402
 from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER  # noqa: E402
-from bcg_plugin import LiveBatch, live  # noqa: E402
+from bcg_plugin import BcgCaptureError, LiveBatch, live  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_plugin_off")]
 
@@ -1042,6 +1042,59 @@ def test_v2_graphs_captured_while_vllm_profiles_are_measured_then_closed_before_
     assert throwaway.closed and kept.captured and kept.reports and not kept.closed
     assert plugin.capture_v2(real, *args, pcp_manager=object()) is None  # prefill context parallelism
     assert not kept.closed  # only graphs captured while profiling are closed
+
+
+@pytest.mark.parametrize("outcome", ["estimated", "failed", "gpu_lost"])
+def test_v2_profiling_samples_bcgs_buckets_and_adds_their_estimate_to_vllms(monkeypatch, caplog, outcome):
+    """Inside vLLM's V2 graph-memory profiling, as the profile patch wraps it, bcg's buckets are
+    sampled and released (``estimate``), not all captured, and the estimate joins vLLM's figure."""
+    from bcg_plugin.adapters.vllm import replay
+    from bcg_plugin.patches.vllm import v2_gpu_model_runner_profile_cudagraph_memory as mod
+
+    built = []
+
+    class Graphs:
+        def __init__(self):
+            self.captured = self.closed = False
+
+        def capture(self):
+            self.captured = True
+
+        def estimate(self):
+            if outcome == "failed":
+                raise RuntimeError("no minimal KV cache")
+            if outcome == "gpu_lost":
+                raise BcgCaptureError("device-side assert")
+            return 300
+
+        def close(self):
+            self.closed = True
+
+    def build(host_factory, vllm_config, *, model, attn_groups, kv_cache_config, reports=True):
+        built.append(Graphs())
+        return built[-1]
+
+    monkeypatch.setattr(plugin, "runs_bcg", lambda cfg: True)
+    monkeypatch.setattr(replay.VllmPrefillGraphs, "build", build)
+    manager = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=[])
+
+    def vllm_profile(runner):  # vLLM's profiling run: its capture calls the capture patch's capture_v2
+        assert plugin.capture_v2(manager, "model", "state", "buffers", "tables", "groups", "kv") is None
+        return 1000
+
+    profile = mod.make(vllm_profile, profile_v2=plugin.profile_v2)
+    with caplog.at_level(logging.WARNING, logger="vllm.bcg"):
+        if outcome == "gpu_lost":
+            with pytest.raises(BcgCaptureError):
+                profile("runner")
+        else:
+            assert profile("runner") == (1300 if outcome == "estimated" else 1000)
+    (graphs,) = built
+    assert not graphs.captured  # sampled by estimate(), not captured in full
+    assert graphs.closed == (outcome != "gpu_lost")  # nothing more runs on a GPU that is lost
+    assert ("could not estimate" in caplog.text) == (outcome == "failed")
+    assert plugin._V2_ESTIMATES.get() is None  # the profiling run's scope is closed
+    assert plugin.capture_v2(manager, "model", "state", "buffers", "tables", "groups", "kv").captured  # unwrapped
 
 
 def test_only_graphs_that_serve_an_engine_answer_the_stats_rpc(vllm_model_config, monkeypatch):

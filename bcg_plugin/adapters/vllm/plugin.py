@@ -8,8 +8,10 @@ enables bcg reaches a worker (:func:`arm_runner_patches`).
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from bcg_plugin import BcgCaptureError
@@ -69,6 +71,7 @@ def calls() -> dict[str, Any]:
         "capture_v1": capture_v1,
         "capture_v2": capture_v2,
         "estimate_v1": estimate_v1,
+        "profile_v2": profile_v2,
         "attention_break": make_attention_break,
     }
 
@@ -160,9 +163,12 @@ def unregister() -> None:
 # -- called by the capture patches ---------------------------------------------------------------
 
 
-# Graphs captured while vLLM profiles graph memory (V2, from 0.29), against a KV cache it then tears
-# down: never replayed, closed before the real capture if anything still holds them.
+# Graphs captured in full while vLLM profiles graph memory (V2, from 0.29) outside :func:`profile_v2`,
+# against a KV cache it then tears down: never replayed, closed before the real capture if anything
+# still holds them.
 _PROFILED: weakref.WeakSet = weakref.WeakSet()
+# Set by :func:`profile_v2` for the profiling run it wraps: the estimates of bcg's buckets taken in it.
+_V2_ESTIMATES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("bcg_v2_estimates", default=None)
 
 
 def profiling(manager: Any) -> bool:
@@ -171,15 +177,29 @@ def profiling(manager: Any) -> bool:
     return getattr(manager, "_capture_mem_samples", None) is not None
 
 
+def profile_v2(profile: Callable[[], int]) -> int:
+    """vLLM's V2 graph-memory estimate (``profile()``) plus bcg's, which :func:`capture_v2` takes inside it
+    from a sample of its buckets (:meth:`~bcg_plugin.PrefillGraphRunner.estimate_graph_bytes`), released
+    before vLLM measures, as vLLM extrapolates its own FULL graphs from the largest two."""
+    estimates: list[int] = []
+    token = _V2_ESTIMATES.set(estimates)
+    try:
+        measured = profile()
+    finally:
+        _V2_ESTIMATES.reset(token)
+    return measured + sum(estimates)
+
+
 def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, block_tables: Any,
                attn_groups: Any, kv_cache_config: Any, pcp_manager: Any = None) -> Any:
     """Build and capture the V2 runner's prefill graphs; ``None`` when bcg does not run here.
 
-    Inside vLLM's graph-memory profiling the buckets are captured in full, as vLLM captures its own
-    piecewise graphs there, so its measurement takes them out of the KV-cache budget; those graphs
-    report nothing and are dropped with the profiling manager (closed here at the real capture if
-    still alive). With prefill context parallelism (``pcp_manager``), which the front-end already
-    declines, nothing is captured.
+    Inside vLLM's graph-memory profiling, as :func:`profile_v2` wraps it, the buckets are sampled
+    and released there, and the estimate goes to :func:`profile_v2`. Profiling without that wrapper
+    captures every bucket, as vLLM captures its own piecewise graphs there, so its measurement
+    takes them out of the KV-cache budget; those graphs report nothing and are dropped with the
+    profiling manager (closed here at the real capture if still alive). With prefill context
+    parallelism (``pcp_manager``), which the front-end already declines, nothing is captured.
     """
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
     from bcg_plugin.adapters.vllm.host import V2Host
@@ -187,6 +207,7 @@ def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, b
     if not runs_bcg(manager.vllm_config) or pcp_manager is not None:
         return None
     throwaway = profiling(manager)
+    estimates = _V2_ESTIMATES.get() if throwaway else None
     if not throwaway:
         for stale in list(_PROFILED):
             stale.close()
@@ -198,11 +219,36 @@ def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, b
         manager.vllm_config, model=model, attn_groups=attn_groups, kv_cache_config=kv_cache_config,
         reports=not throwaway,
     )
-    if graphs is not None:
-        if throwaway:
-            _PROFILED.add(graphs)
-        graphs.capture()
+    if graphs is None:
+        return None
+    if estimates is not None:
+        estimates.append(_estimate(graphs))
+        return None
+    if throwaway:
+        _PROFILED.add(graphs)
+    graphs.capture()
     return graphs
+
+
+def _estimate(graphs: Any) -> int:
+    """``graphs``' estimate, then closed. As in :func:`estimate_v1`, a failure estimates nothing (one
+    warning), unless it left the GPU unusable: that error propagates, with nothing more run on the GPU."""
+    usable = True
+    try:
+        return graphs.estimate()
+    except BcgCaptureError:
+        usable = False
+        raise
+    except Exception as e:
+        logger.warning(NO_ESTIMATE, e)
+        return 0
+    finally:
+        if usable:
+            graphs.close()
+
+
+NO_ESTIMATE = ("bcg: could not estimate the prefill graphs' memory (%r); vLLM sizes the KV cache without them, "
+               "so they come out of the headroom --gpu-memory-utilization leaves")
 
 
 def estimate_v1(runner: Any) -> int:
@@ -240,8 +286,7 @@ def estimate_v1(runner: Any) -> int:
     except BcgCaptureError:
         raise
     except Exception as e:
-        logger.warning("bcg: could not estimate the prefill graphs' memory (%r); vLLM sizes the KV cache "
-                       "without them, so they come out of the headroom --gpu-memory-utilization leaves", e)
+        logger.warning(NO_ESTIMATE, e)
         return 0
 
 
