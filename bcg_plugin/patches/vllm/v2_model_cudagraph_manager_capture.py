@@ -5,9 +5,9 @@ tables, attention groups). bcg goes first: its largest bucket must fit before vL
 workspaces, and its private pool never shares blocks with the decode graphs' pool.
 
 From 0.29 vLLM also runs this method while it profiles graph memory, on a minimal KV cache it tears
-down afterwards (the manager flags it with ``_capture_mem_samples``): bcg captures its buckets there
-too, so vLLM's free-memory measurement takes bcg's graphs out of the KV-cache budget as it does its
-own piecewise graphs, and those throwaway graphs are closed before the real capture.
+down afterwards (the manager flags it with ``_capture_mem_samples``): there bcg samples a few buckets
+and releases them, and the profile patch (``v2_gpu_model_runner_profile_cudagraph_memory``) adds
+their extrapolated estimate to vLLM's, which sizes the KV cache.
 
 The descriptors differ by what the method takes (``pcp_manager`` from 0.29) and by the vLLM
 functions bcg's dummy batches call, verified with it: ``prepare_inputs_to_capture`` (its trailing
@@ -78,13 +78,13 @@ PATCHES = (
           hosts=">=0.28,<0.29", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
     Patch(target=TARGET, how=_how([*PARAMS, "pcp_manager", *TAIL], ["full_cudagraph", "max_query_len", "pcp_manager"],
                                   _STREAM), make=make_pcp,
-          reason=REASON + "; also runs inside vLLM's graph-memory profiling (bcg's graphs measured there, then "
-                          "closed); with prefill context parallelism (`pcp_manager`) bcg declines",
+          reason=REASON + "; also runs inside vLLM's graph-memory profiling (bcg samples its buckets there "
+                          "for the profile patch's estimate); with prefill context parallelism (`pcp_manager`) bcg declines",
           hosts=">=0.29,<0.31", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
     Patch(target=TARGET, how=_how([*PARAMS, "pcp_manager", *TAIL], ["full_cudagraph", "max_query_len", "pcp_manager"],
                                   ["device"]), make=make_pcp,
-          reason=REASON + "; also runs inside vLLM's graph-memory profiling (bcg's graphs measured there, then "
-                          "closed); with prefill context parallelism (`pcp_manager`) bcg declines. Captured on "
+          reason=REASON + "; also runs inside vLLM's graph-memory profiling (bcg samples its buckets there "
+                          "for the profile patch's estimate); with prefill context parallelism (`pcp_manager`) bcg declines. Captured on "
                           "`graph_capture`'s own stream (no caller-chosen stream from 0.31). Not through vLLM's "
                           "`capture_pool` (0.32): under sleep mode it routes captures into vLLM's one cuMem graph "
                           "pool, shared with the decode graphs, which bcg's private pool exists to keep apart; "
