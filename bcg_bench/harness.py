@@ -328,7 +328,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
     estimated = any(d.get("graph_mem_estimate_gib") is not None for d in good.values())
     extra = (" | of which torch's allocator GiB" if split else "") + (
-        " | estimated before the KV cache was sized, GiB" if estimated else "")
+        " | vLLM's estimate before capture GiB" if estimated else "")
     lines += [f"| mode | init s | capture s | graph memory GiB{extra} |",
               "|---|---|---|---|" + "---|" * (split + estimated)]
     for m, d in good.items():

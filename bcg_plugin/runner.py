@@ -164,25 +164,33 @@ class PrefillGraphRunner:
         pool (the activations every smaller bucket reuses), the static buffers and its own
         segments; each further bucket adds little more than its own segments, which the next
         bucket of its kind samples: a bucket with attention inside the graph is one segment, one
-        with eager breaks a segment per layer, so the largest of each kind is sampled. The
-        estimate is the top bucket plus each sample times the buckets of its kind it stands for:
-        the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and
-        agrees on the outcome as in :meth:`capture`. The runner is left as it was, so
-        :meth:`capture` can follow; if the sample fails on any rank the estimate is 0 (logged): it
-        is advice for the host, and the capture itself decides later. A failure that leaves the
-        device unusable raises instead, as in :meth:`capture`.
+        with eager breaks a segment per layer, so the largest further bucket of each kind is
+        sampled. What a sample grows the pool by (the first graph-resident attention's buffers, say)
+        is charged once, the rest once per bucket of its kind: the extrapolation vLLM makes for its
+        own graphs. Every rank samples the same buckets and agrees on the outcome as in
+        :meth:`capture`. The runner is left as it was and its pool returned to the device, so
+        :meth:`capture` can follow and a host measuring free memory sees none of the sample; if the
+        sample fails on any rank the estimate is 0 (logged): it is advice for the host, and the
+        capture itself decides later. A failure that leaves the device unusable raises instead, as
+        in :meth:`capture`.
         """
         if not self.config.active or not self.buckets:
             return 0
         if self._graphs:
             raise BcgStateError("estimate_graph_bytes() must come before capture(): it captures and releases buckets")
-        free = [self._free_device_bytes()]
+        stands_for: dict[int, int] = {}
+        taken: list[tuple[int, int]] = []  # (free device bytes, pool bytes) after each sampled bucket
+
+        def sample() -> list[int]:  # chosen once the setup has planned which buckets keep attention inside
+            stands_for.update(self._estimate_sample())
+            return sorted(stands_for, reverse=True)  # the order _capture_buckets captures them in
+
+        free_before = self._free_device_bytes()
         warmup_seconds = self.stats.warmup_seconds
         usable = True
         try:
-            stands_for = self._estimate_sample()
-            sample = sorted(stands_for, reverse=True)  # the order _capture_buckets captures them in
-            self._capture_all(sample, progress=False, after_each=lambda: free.append(self._free_device_bytes()))
+            self._capture_all(sample, progress=False,
+                              after_each=lambda: taken.append((self._free_device_bytes(), self._pool.reserved_bytes())))
         except Exception as e:  # OOM or a failure on any rank alike: the estimate is advisory
             lost = self._device_lost(e, "memory estimate")
             if lost is not None:  # ...unless nothing can run after it, capture nor eager
@@ -195,23 +203,29 @@ class PrefillGraphRunner:
         finally:
             if usable:  # releasing graphs on a device that runs nothing would raise over the error above
                 self.close()
+                self._free_device_bytes()  # the released pool back to the device, not cached by torch
             self.stats.warmup_seconds = warmup_seconds
-        cost = {bucket: max(free[i] - free[i + 1], 0) for i, bucket in enumerate(sample)}
-        estimate = sum(cost[bucket] * count for bucket, count in stands_for.items())
+        order = sorted(stands_for, reverse=True)
+        estimate, per_bucket = 0, []
+        for i, bucket in enumerate(order):
+            cost = max((taken[i - 1][0] if i else free_before) - taken[i][0], 0)
+            once = min(max(taken[i][1] - taken[i - 1][1], 0), cost) if i else cost
+            estimate += once + (cost - once) * stands_for[bucket]
+            if i:
+                per_bucket.append(f"{(cost - once) / 2**20:.1f} MiB for {stands_for[bucket]}")
         logger.info("bcg: prefill graph memory estimated at %.3f GiB for %d buckets (top bucket %.3f GiB, "
-                    "each further one %s)", estimate / 2**30, len(self.buckets), cost[sample[0]] / 2**30,
-                    " or ".join(f"{cost[b] / 2**20:.1f} MiB" for b in sample[1:]) or "none")
+                    "further ones %s)", estimate / 2**30, len(self.buckets),
+                    (free_before - taken[0][0]) / 2**30 if taken else 0.0, ", ".join(per_bucket) or "none")
         return estimate
 
     def _estimate_sample(self) -> dict[int, int]:
         """The buckets :meth:`estimate_graph_bytes` captures, each with how many buckets it stands for:
         the top bucket for itself, then the largest further bucket of each kind (attention inside the
-        graph or broken out) for every further bucket of that kind."""
-        plan = self._plan_attention()
+        graph, or broken out) for every further bucket of that kind."""
         top, *rest = sorted(self.buckets, reverse=True)
         sample = {top: 1}
-        for inline in (top in plan, top not in plan):
-            kind = [bucket for bucket in rest if (bucket in plan) == inline]
+        for inline in (top in self.graph_attention, top not in self.graph_attention):
+            kind = [bucket for bucket in rest if (bucket in self.graph_attention) == inline]
             if kind:
                 sample[kind[0]] = len(kind)
         return sample
@@ -236,9 +250,11 @@ class PrefillGraphRunner:
     def _free_device_bytes(self) -> int:
         return free_device_bytes(self.device) if self.device.type == "cuda" else 0
 
-    def _capture_all(self, buckets: list[int], progress: bool, after_each: Callable[[], None] | None = None) -> None:
+    def _capture_all(self, buckets: list[int] | Callable[[], list[int]], progress: bool,
+                     after_each: Callable[[], None] | None = None) -> None:
         """Set up, agree on the setup with every rank, then capture ``buckets`` one by one, largest first.
 
+        ``buckets`` may be a function, called after the setup (which plans the buckets' attention).
         The setup vote comes before any warm-up: a rank whose setup failed must not leave the
         others waiting in the first warm-up's collectives, which it would never join.
         """
@@ -248,7 +264,7 @@ class PrefillGraphRunner:
             raise error
         if world is not CaptureStatus.OK:
             raise _PeerCaptureFailure(world)
-        self._capture_buckets(buckets, stream, group, progress, after_each)
+        self._capture_buckets(buckets() if callable(buckets) else buckets, stream, group, progress, after_each)
 
     def _prepare_capture(self) -> torch.cuda.Stream:
         """Static input buffers at the top bucket's size, the padded-row flags, the graph pool, the capture stream."""

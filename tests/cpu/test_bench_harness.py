@@ -384,11 +384,11 @@ def test_report_sets_the_graph_memory_estimate_beside_the_capture_only_when_reco
         },
     }
     md = harness.to_markdown(result)
-    assert "| mode | init s | capture s | graph memory GiB | estimated before the KV cache was sized, GiB |" in md
+    assert "| mode | init s | capture s | graph memory GiB | vLLM's estimate before capture GiB |" in md
     assert "| full | 10.00 | 3.00 | 0.700 | 0.750 |" in md
     assert "| bcg | 11.00 | 2.00 | 0.800 | - |" in md
     del result["modes"]["full"]["graph_mem_estimate_gib"]
-    assert "estimated before the KV cache" not in harness.to_markdown(result)
+    assert "vLLM's estimate before capture" not in harness.to_markdown(result)
 
 
 def test_bcg_compile_gets_its_own_ratios_against_the_hosts_modes_only():

@@ -15,17 +15,21 @@ TOP_COST, FURTHER_COST = 1000, 10  # bytes the fake device loses to the top buck
 
 
 class _FakeDevice:
-    """Free memory that each captured bucket takes and each released one gives back."""
+    """Free memory that each captured bucket takes and each released one gives back, and a graph
+    pool that grows by ``growth[bucket]`` when that bucket is captured (part of what it takes)."""
 
-    def __init__(self, failing_bucket=None):
+    def __init__(self, failing_bucket=None, cost=None, growth=None):
         self.free, self.failing_bucket = 50_000, failing_bucket
-        self.captured, self.released = [], []
+        self.cost, self.growth = cost or {}, growth or {}
+        self.pool_bytes = 0
+        self.captured, self.released, self.events = [], [], []
 
     def capture(self, bucket, stream, warm=True):
         if bucket == self.failing_bucket:
             raise RuntimeError(f"injected failure at bucket {bucket}")
-        cost = TOP_COST if not self.captured else FURTHER_COST
+        cost = TOP_COST if not self.captured else self.cost.get(bucket, FURTHER_COST)
         self.free -= cost
+        self.pool_bytes += self.growth.get(bucket, 0)
         self.captured.append(bucket)
         device = self
 
@@ -33,8 +37,13 @@ class _FakeDevice:
             def release(self):
                 device.free += cost
                 device.released.append(bucket)
+                device.events.append("release")
 
         return _Graph()
+
+    def measure(self, _device):
+        self.events.append("measure")
+        return self.free
 
 
 class _FakePool:
@@ -50,11 +59,26 @@ class _FakePool:
         pass
 
 
-def _runner(monkeypatch, device):
-    runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
+class _DevicePool(_FakePool):
+    """The fake device's pool: as large as the device says."""
+
+    def __init__(self, device):
+        self._device = device
+
+    def reserved_bytes(self) -> int:
+        return self._device.pool_bytes
+
+
+def _runner(monkeypatch, device, *plugins):
+    runner = PrefillGraphRunner(plugin_manager(*plugins), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
                                 device=torch.device("cuda", 0))
-    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
-    runner._prepare_capture = lambda: None  # no static buffers or stream off CUDA
+    monkeypatch.setattr(runner_mod, "free_device_bytes", device.measure)
+
+    def prepare():  # the setup's plan and pool, without static buffers or a stream off CUDA
+        runner.graph_attention = runner._plan_attention()
+        runner._pool = _DevicePool(device)
+
+    runner._prepare_capture = prepare
     runner._capture_bucket = device.capture
     return runner
 
@@ -67,6 +91,7 @@ def test_estimate_is_the_top_bucket_plus_the_second_for_every_further_bucket(mon
     assert estimate == TOP_COST + FURTHER_COST * (len(SIZES) - 1)
     assert device.captured == [128, 64]  # the two largest, largest first
     assert sorted(device.released) == [64, 128] and device.free == 50_000  # nothing left behind
+    assert device.events[-3:] == ["release", "release", "measure"]  # the released pool handed back to the device
     assert not runner.captured and runner._pool is None
     assert "estimated at" in caplog.text and "4 buckets" in caplog.text
 
@@ -189,24 +214,32 @@ class _InlineSmall:
         return [b for b in buckets if b in self.INLINE]
 
 
-def test_estimate_samples_the_largest_further_bucket_of_each_kind(monkeypatch):
+class _InlineAll:
+    @hookimpl
+    def bcg_graph_attention(self, buckets, attention):
+        return list(buckets)
+
+
+def test_estimate_samples_the_largest_further_bucket_of_each_kind_and_charges_pool_growth_once(monkeypatch):
     """A bucket with attention inside the graph is one segment, one with breaks a segment per layer:
-    each kind's further buckets are extrapolated from the largest of that kind."""
-    inline_cost = 2
-    device = _FakeDevice()
-    capture = device.capture
-
-    def capture_by_kind(bucket, stream, warm=True):
-        graph = capture(bucket, stream, warm)
-        if bucket in _InlineSmall.INLINE:  # cheaper than the FURTHER_COST capture() took
-            device.free += FURTHER_COST - inline_cost
-        return graph
-
-    runner = PrefillGraphRunner(plugin_manager(_InlineSmall()), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
-                                device=torch.device("cuda", 0))
-    monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
-    runner._prepare_capture = lambda: None
-    runner._capture_bucket = capture_by_kind
+    each kind's further buckets are extrapolated from the largest of that kind. The first bucket
+    with attention inside grows the pool by attention's buffers, which every later one reuses."""
+    inline_cost, inline_growth = 2, 50
+    device = _FakeDevice(cost={32: inline_growth + inline_cost}, growth={32: inline_growth})
+    runner = _runner(monkeypatch, device, _InlineSmall())
     estimate = runner.estimate_graph_bytes()
     assert device.captured == [128, 64, 32]  # the top bucket, then the largest further one of each kind
-    assert estimate == TOP_COST + FURTHER_COST * 1 + inline_cost * 2
+    assert estimate == TOP_COST + FURTHER_COST * 1 + inline_growth + inline_cost * 2
+    assert device.free == 50_000
+
+
+@pytest.mark.parametrize("sizes, captured, expected", [
+    ((16, 32, 64, 128), [128, 64], TOP_COST + FURTHER_COST * 3),  # the top bucket inline too: one kind
+    ((128,), [128], TOP_COST),  # nothing further to sample
+])
+def test_estimate_with_one_kind_or_one_bucket(monkeypatch, sizes, captured, expected):
+    device = _FakeDevice()
+    runner = _runner(monkeypatch, device, _InlineAll())
+    runner.buckets = list(sizes)
+    assert runner.estimate_graph_bytes() == expected
+    assert device.captured == captured
