@@ -231,8 +231,9 @@ def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, b
 
 
 def _estimate(graphs: Any) -> int:
-    """``graphs``' estimate, then closed. As in :func:`estimate_v1`, a failure estimates nothing (one
-    warning), unless it left the GPU unusable: that error propagates, with nothing more run on the GPU."""
+    """``graphs``' estimate, then closed. The estimate is advice for vLLM's memory budget: a failure
+    estimates nothing (one warning), unless it left the GPU unusable, when that error propagates with
+    nothing more run on the GPU."""
     usable = True
     try:
         return graphs.estimate()
@@ -270,16 +271,10 @@ def estimate_v1(runner: Any) -> int:
             runner._init_minimal_kv_cache_for_profiling()
         try:
             graphs = _v1_graphs(runner, reports=False)
-            if graphs is None:
-                return 0
-            try:
-                return graphs.estimate()
-            except BcgCaptureError:
-                usable = False  # nothing runs on the GPU any more, releases and clean-up included
-                raise
-            finally:
-                if usable:
-                    graphs.close()
+            return 0 if graphs is None else _estimate(graphs)
+        except BcgCaptureError:
+            usable = False  # nothing runs on the GPU any more, the clean-up included
+            raise
         finally:
             if usable:
                 runner._cleanup_profiling_kv_cache()
