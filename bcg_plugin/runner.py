@@ -26,6 +26,11 @@ from bcg_plugin.stats import Fallback, RuntimeStats
 logger = logging.getLogger("bcg_plugin")
 T = TypeVar("T")
 
+# The least an estimate charges each further bucket: a captured graph's own driver memory, which free
+# device memory shows only in whole pages, so a one-segment bucket can read as free. vLLM takes the
+# same floor for its own graphs' estimate.
+MIN_BUCKET_BYTES = 1 << 20
+
 
 class _PeerCaptureFailure(Exception):
     """Another rank's capture failed (``status``); this rank stops at the same bucket."""
@@ -166,8 +171,8 @@ class PrefillGraphRunner:
         bucket of its kind samples: a bucket with attention inside the graph is one segment, one
         with eager breaks a segment per layer, so the largest further bucket of each kind is
         sampled. What a sample grows the pool by (the first graph-resident attention's buffers, say)
-        is charged once, the rest once per bucket of its kind: the extrapolation vLLM makes for its
-        own graphs. Every rank samples the same buckets and agrees on the outcome as in
+        is charged once, the rest (at least :data:`MIN_BUCKET_BYTES`) once per bucket of its kind:
+        the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and agrees on the outcome as in
         :meth:`capture`. The runner is left as it was and its pool returned to the device, so
         :meth:`capture` can follow and a host measuring free memory sees none of the sample; if the
         sample fails on any rank the estimate is 0 (logged): it is advice for the host, and the
@@ -209,10 +214,13 @@ class PrefillGraphRunner:
         estimate, per_bucket = 0, []
         for i, bucket in enumerate(order):
             cost = max((taken[i - 1][0] if i else free_before) - taken[i][0], 0)
-            once = min(max(taken[i][1] - taken[i - 1][1], 0), cost) if i else cost
-            estimate += once + (cost - once) * stands_for[bucket]
-            if i:
-                per_bucket.append(f"{(cost - once) / 2**20:.1f} MiB for {stands_for[bucket]}")
+            if not i:
+                estimate += cost
+                continue
+            once = min(max(taken[i][1] - taken[i - 1][1], 0), cost)
+            each = max(cost - once, MIN_BUCKET_BYTES)
+            estimate += once + each * stands_for[bucket]
+            per_bucket.append(f"{each / 2**20:.1f} MiB for {stands_for[bucket]}")
         logger.info("bcg: prefill graph memory estimated at %.3f GiB for %d buckets (top bucket %.3f GiB, "
                     "further ones %s)", estimate / 2**30, len(self.buckets),
                     (free_before - taken[0][0]) / 2**30 if taken else 0.0, ", ".join(per_bucket) or "none")

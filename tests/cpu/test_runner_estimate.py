@@ -73,6 +73,7 @@ def _runner(monkeypatch, device, *plugins):
     runner = PrefillGraphRunner(plugin_manager(*plugins), BcgConfig(enable=True, sizes=SIZES), chunk_size=128,
                                 device=torch.device("cuda", 0))
     monkeypatch.setattr(runner_mod, "free_device_bytes", device.measure)
+    monkeypatch.setattr(runner_mod, "MIN_BUCKET_BYTES", 0)  # the fake's costs are a few bytes
 
     def prepare():  # the setup's plan and pool, without static buffers or a stream off CUDA
         runner.graph_attention = runner._plan_attention()
@@ -243,3 +244,11 @@ def test_estimate_with_one_kind_or_one_bucket(monkeypatch, sizes, captured, expe
     runner.buckets = list(sizes)
     assert runner.estimate_graph_bytes() == expected
     assert device.captured == captured
+
+
+def test_a_further_bucket_that_reads_as_free_is_charged_the_floor(monkeypatch):
+    """Free device memory moves in whole pages: a one-segment bucket's own memory can read as none."""
+    device = _FakeDevice(cost={64: 0})
+    runner = _runner(monkeypatch, device)
+    monkeypatch.setattr(runner_mod, "MIN_BUCKET_BYTES", 7)
+    assert runner.estimate_graph_bytes() == TOP_COST + 7 * (len(SIZES) - 1)
