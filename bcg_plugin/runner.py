@@ -172,12 +172,12 @@ class PrefillGraphRunner:
         with eager breaks a segment per layer, so the largest further bucket of each kind is
         sampled. What a sample grows the pool by (the first graph-resident attention's buffers, say)
         is charged once, the rest (at least :data:`MIN_BUCKET_BYTES`) once per bucket of its kind:
-        the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and agrees on the outcome as in
-        :meth:`capture`. The runner is left as it was and its pool returned to the device, so
-        :meth:`capture` can follow and a host measuring free memory sees none of the sample; if the
-        sample fails on any rank the estimate is 0 (logged): it is advice for the host, and the
-        capture itself decides later. A failure that leaves the device unusable raises instead, as
-        in :meth:`capture`.
+        the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and
+        agrees on the outcome as in :meth:`capture`. The runner is left as it was and its pool
+        returned to the device, so :meth:`capture` can follow and a host measuring free memory sees
+        none of the sample; if the sample fails on any rank the estimate is 0 (logged): it is advice
+        for the host, and the capture itself decides later. A failure that leaves the device
+        unusable raises instead, as in :meth:`capture`.
         """
         if not self.config.active or not self.buckets:
             return 0
