@@ -184,11 +184,13 @@ class PrefillGraphRunner:
         if self._graphs:
             raise BcgStateError("estimate_graph_bytes() must come before capture(): it captures and releases buckets")
         stands_for: dict[int, int] = {}
+        order: list[int] = []  # the sample, in the order _capture_buckets captures it
         taken: list[tuple[int, int]] = []  # (free device bytes, pool bytes) after each sampled bucket
 
         def sample() -> list[int]:  # chosen once the setup has planned which buckets keep attention inside
             stands_for.update(self._estimate_sample())
-            return sorted(stands_for, reverse=True)  # the order _capture_buckets captures them in
+            order.extend(sorted(stands_for, reverse=True))
+            return order
 
         free_before = self._free_device_bytes()
         warmup_seconds = self.stats.warmup_seconds
@@ -210,7 +212,6 @@ class PrefillGraphRunner:
                 self.close()
                 self._free_device_bytes()  # the released pool back to the device, not cached by torch
             self.stats.warmup_seconds = warmup_seconds
-        order = sorted(stands_for, reverse=True)
         estimate, per_bucket = 0, []
         for i, bucket in enumerate(order):
             cost = max((taken[i - 1][0] if i else free_before) - taken[i][0], 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextvars
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -163,18 +162,8 @@ def unregister() -> None:
 # -- called by the capture patches ---------------------------------------------------------------
 
 
-# Graphs captured in full while vLLM profiles graph memory (V2, from 0.29) outside :func:`profile_v2`,
-# against a KV cache it then tears down: never replayed, closed before the real capture if anything
-# still holds them.
-_PROFILED: weakref.WeakSet = weakref.WeakSet()
 # Set by :func:`profile_v2` for the profiling run it wraps: the estimates of bcg's buckets taken in it.
 _V2_ESTIMATES: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("bcg_v2_estimates", default=None)
-
-
-def profiling(manager: Any) -> bool:
-    """Whether ``manager.capture`` runs inside vLLM's graph-memory profiling (the only caller that sets
-    ``_capture_mem_samples``), whose free-memory measurement around it sizes the KV cache."""
-    return getattr(manager, "_capture_mem_samples", None) is not None
 
 
 def profile_v2(profile: Callable[[], int]) -> int:
@@ -194,38 +183,29 @@ def capture_v2(manager: Any, model: Any, model_state: Any, input_buffers: Any, b
                attn_groups: Any, kv_cache_config: Any, pcp_manager: Any = None) -> Any:
     """Build and capture the V2 runner's prefill graphs; ``None`` when bcg does not run here.
 
-    Inside vLLM's graph-memory profiling, as :func:`profile_v2` wraps it, the buckets are sampled
-    and released there, and the estimate goes to :func:`profile_v2`. Profiling without that wrapper
-    captures every bucket, as vLLM captures its own piecewise graphs there, so its measurement
-    takes them out of the KV-cache budget; those graphs report nothing and are dropped with the
-    profiling manager (closed here at the real capture if still alive). With prefill context
-    parallelism (``pcp_manager``), which the front-end already declines, nothing is captured.
+    Inside vLLM's graph-memory profiling (from 0.29: only ``GPUModelRunner.profile_cudagraph_memory``
+    runs it, which the same patch set wraps with :func:`profile_v2`) the buckets are sampled and
+    released, and the estimate goes to :func:`profile_v2`. With prefill context parallelism
+    (``pcp_manager``), which the front-end already declines, nothing is captured.
     """
     from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
     from bcg_plugin.adapters.vllm.host import V2Host
 
     if not runs_bcg(manager.vllm_config) or pcp_manager is not None:
         return None
-    throwaway = profiling(manager)
-    estimates = _V2_ESTIMATES.get() if throwaway else None
-    if not throwaway:
-        for stale in list(_PROFILED):
-            stale.close()
-        _PROFILED.clear()
+    estimates = _V2_ESTIMATES.get()
     graphs = VllmPrefillGraphs.build(
         lambda: V2Host(model, manager.vllm_config, manager.device, model_state=model_state,
                        input_buffers=input_buffers, block_tables=block_tables, attn_groups=attn_groups,
                        kv_cache_config=kv_cache_config),
         manager.vllm_config, model=model, attn_groups=attn_groups, kv_cache_config=kv_cache_config,
-        reports=not throwaway,
+        reports=estimates is None,
     )
     if graphs is None:
         return None
     if estimates is not None:
         estimates.append(_estimate(graphs))
         return None
-    if throwaway:
-        _PROFILED.add(graphs)
     graphs.capture()
     return graphs
 
