@@ -141,6 +141,35 @@ def test_an_idle_dp_rank_padded_to_its_peers_bucket_calls_no_backend_and_writes_
     assert not fb.token_to_kv_pool.k.any()
 
 
+class _SlotsSeen(_ExtendBackend):
+    """Keeps the cache-slot tensor each call was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slots: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self.slots.append(forward_batch.out_cache_loc)
+        return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+
+def test_the_real_rows_are_narrowed_once_per_forward_and_again_when_the_batch_swaps_its_slots():
+    """Every break of a forward narrows the same slots to the same rows: the first one does it, the
+    rest reuse it. The capture swaps the bucket's static buffers into the batch, so a swap narrows anew."""
+    backend = _SlotsSeen()
+    batch, fb, q, k, v = _padded_dp_batch(backend)
+    out = torch.zeros(16, WIDTH)
+    with live.bound(batch):
+        for _ in range(3):
+            attention.bcg_attention(q, k, v, out, True, 0)
+        assert backend.slots[0] is backend.slots[1] is backend.slots[2]
+        swapped = fb.out_cache_loc = torch.arange(20, 32)
+        attention.bcg_attention(q, k, v, out, True, 0)
+    assert backend.slots[3] is not backend.slots[0]
+    assert torch.equal(backend.slots[3], swapped[:5]) and torch.equal(backend.slots[0], torch.arange(100, 105))
+    assert fb.out_cache_loc is swapped
+
+
 def test_attention_restores_the_cache_slots_when_the_backend_raises():
     backend = _ExtendBackend(fail=True)
     batch, fb, q, k, v = _padded_dp_batch(backend)
