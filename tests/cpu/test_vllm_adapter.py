@@ -1032,7 +1032,7 @@ def test_v2_capture_outside_profiling_keeps_its_graphs_and_declines_context_para
     monkeypatch.setattr(plugin, "runs_bcg", lambda cfg: True)
     monkeypatch.setattr(replay.VllmPrefillGraphs, "build", build)
     args = ("model", "state", "buffers", "tables", "groups", "kv")
-    real = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=None)
+    real = types.SimpleNamespace(vllm_config="cfg", device="cpu")
 
     kept = plugin.capture_v2(real, *args)
     assert kept.captured and kept.reports and not kept.closed
@@ -1072,7 +1072,7 @@ def test_v2_profiling_samples_bcgs_buckets_and_adds_their_estimate_to_vllms(monk
 
     monkeypatch.setattr(plugin, "runs_bcg", lambda cfg: True)
     monkeypatch.setattr(replay.VllmPrefillGraphs, "build", build)
-    manager = types.SimpleNamespace(vllm_config="cfg", device="cpu", _capture_mem_samples=[])
+    manager = types.SimpleNamespace(vllm_config="cfg", device="cpu")
 
     def vllm_profile(runner):  # vLLM's profiling run: its capture calls the capture patch's capture_v2
         assert plugin.capture_v2(manager, "model", "state", "buffers", "tables", "groups", "kv") is None

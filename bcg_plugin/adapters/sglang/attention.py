@@ -44,17 +44,15 @@ class ForwardPass:
     # What every break of this forward narrows alike, worked out by its first break: the rows
     # attention sees, and the batch's cache slots and positions cut to them; keyed by what they were
     # cut from, since the capture swaps the bucket's static buffers into the batch.
-    _real: tuple[Any, ...] | None = dataclasses.field(default=None, repr=False)
+    _real: tuple[Any, ...] | None = dataclasses.field(default=None, init=False, repr=False)
 
-    def real_rows(self, landed: int) -> tuple[int, Any, Any]:
-        """``(rows, out_cache_loc, positions)``: the real rows among the ``landed`` ones, and the
-        batch's per-token cache slots and positions narrowed to them (positions only where SGLang's
+    def real_rows(self, landed: int, slots: Any, positions: Any) -> tuple[int, Any, Any]:
+        """``(rows, slots, positions)``: the real rows among the ``landed`` ones, and the batch's
+        per-token cache ``slots`` and ``positions`` narrowed to them (positions only where SGLang's
         own eager attention narrows them too), computed once per forward."""
-        fb = self.forward_batch
-        slots, positions = fb.out_cache_loc, getattr(fb, "positions", None)
         real = self._real
         if real is None or real[0] != landed or real[1] is not slots or real[2] is not positions:
-            n = _real_rows(fb, landed)
+            n = _real_rows(self.forward_batch, landed)
             narrowed = positions[:n] if positions is not None and _narrows_positions() else positions
             real = self._real = (landed, slots, positions, n, slots[:n], narrowed)
         return real[3:]
@@ -89,8 +87,9 @@ def bcg_attention(
     batch = live.current()
     fwd: ForwardPass = batch.payload
     fb = fwd.forward_batch
+    out_cache_loc, positions = fb.out_cache_loc, getattr(fb, "positions", None)
     # Rows the core landed (DP may pad the batch itself); attention sees only the real ones.
-    n, real_cache_loc, real_positions = fwd.real_rows(batch.num_tokens)
+    n, real_cache_loc, real_positions = fwd.real_rows(batch.num_tokens, out_cache_loc, positions)
     if n == 0:  # an idle DP rank padded to its peers' bucket: as SGLang's eager attention, zeros only
         output[: batch.num_tokens].zero_()  # (flashinfer refuses a call with no query row)
         return
@@ -101,7 +100,6 @@ def bcg_attention(
     # Backends that write in place (triton, fa3) take the output slot from the batch. The KV store
     # writes one cache slot per key row (SGLang's store_cache requires as many indices as rows), so
     # the slots are narrowed with the keys; the batch keeps its own tensor for the logits tail.
-    out_cache_loc, positions = fb.out_cache_loc, getattr(fb, "positions", None)
     fb._attn_output = output[:n]
     fb.out_cache_loc = real_cache_loc
     if positions is not None:
