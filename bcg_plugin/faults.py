@@ -40,10 +40,11 @@ class BcgFaultSpec:
 
     @hookspec
     def bcg_graph_metadata(self, host: str, bucket: int, live: dict, earlier: dict) -> None:
-        """Called before a replay whose attention runs inside the graph, once the host has landed the
-        batch's metadata: ``live`` names persistent device buffers the graph reads (vLLM:
-        ``seq_lens``), ``earlier`` holds copies of them taken at the bucket's capture. A plugin may
-        write into ``live`` (e.g. ``earlier``'s values) so the graph reads metadata of another batch.
+        """Called before a replay whose graph reads batch metadata, once the host has landed it:
+        ``live`` names the device buffers the graph reads (vLLM, attention inside the graph:
+        ``seq_lens``; SGLang, the KV-cache store inside the graph: ``out_cache_loc``), ``earlier``
+        holds what the bucket's capture put there. A plugin may write into ``live`` (e.g.
+        ``earlier``'s values) so the graph reads metadata of another batch.
         """
 
 
@@ -81,6 +82,6 @@ def replay_metadata(host: str, bucket: int, live: Any, earlier: Any = None) -> A
 
 
 def graph_metadata(host: str, bucket: int, live: dict, earlier: dict) -> None:
-    """Give fault plugins the landed metadata buffers of a graph-attention replay (no-op without one)."""
+    """Give fault plugins the landed metadata buffers a replay's graph reads (no-op without one)."""
     if active():
         plugins().hook.bcg_graph_metadata(host=host, bucket=bucket, live=live, earlier=earlier)

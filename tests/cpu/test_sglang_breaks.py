@@ -180,6 +180,110 @@ def test_attention_restores_the_cache_slots_when_the_backend_raises():
     assert fb.out_cache_loc is slots and fb._attn_output is None
 
 
+# -- the KV-cache store inside the captured segment ----------------------------------------------
+
+
+class _TritonAttention:
+    """What the break hands SGLang's triton backend: each call's ``save_kv_cache`` (kept, nothing
+    stored), the output written."""
+
+    def __init__(self) -> None:
+        self.saved: list[bool] = []
+
+    def __call__(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self.saved.append(save_kv_cache)
+        out = forward_batch._attn_output
+        out.copy_(q.reshape(out.shape))
+        return out
+
+
+def _triton_capture(*, bucket=16, real=5, **changes):
+    """A capture-time forward on SGLang's own triton backend and MHA pool (CPU buffers; the backend's
+    kernels replaced by :class:`_TritonAttention`): the bucket's static slots hold ``real`` request
+    slots and SGLang's padding slot 0 after them. ``changes`` set attributes of
+    ``backend``/``pool``/``layer``/``metadata`` (``"layer.k_scale": 1.0``)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=HEADS, head_dim=HEAD_DIM,
+                            layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    backend = object.__new__(TritonAttnBackend)  # its __init__ wants a model runner; the break reads these
+    backend.token_to_kv_pool, backend.dcp_size, backend.use_mla = pool, 1, False
+    backend.forward_metadata = types.SimpleNamespace(swa_out_cache_loc=None, out_cache_loc_full_physical=None)
+    backend.forward = _TritonAttention()
+    layer = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None, is_cross_attention=False)
+    owners = {"backend": backend, "pool": pool, "layer": layer, "metadata": backend.forward_metadata}
+    for name, value in changes.items():
+        owner, attr = name.split(".")
+        setattr(owners[owner], attr, value)
+    slots = torch.zeros(bucket, dtype=torch.int64)
+    slots[:real] = torch.arange(40, 40 + real)
+    fb = types.SimpleNamespace(out_cache_loc=slots, token_to_kv_pool=pool, _attn_output=None,
+                               positions=torch.arange(bucket), out_cache_loc_is_physical=False)
+    fwd = attention.ForwardPass(forward_batch=fb, attn_backend=backend, attention_layers=[layer])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(bucket, HEADS, HEAD_DIM, generator=gen) for _ in range(3))
+    return live.LiveBatch(num_tokens=bucket, bucket=bucket, payload=fwd), pool, q, k, v
+
+
+def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only_attends():
+    """On the triton backend and SGLang's plain MHA pool the store runs in the captured segment,
+    through SGLang's own pool, on every row of the bucket: the request rows reach their slots, the
+    padded rows only SGLang's padding slot. The break is then told not to store again."""
+    batch, pool, q, k, v = _triton_capture()
+    out = torch.zeros(16, WIDTH)
+    with live.bound(batch):
+        attention.captured_then_break(q, k, v, out, True, 0)
+    backend = batch.payload.attn_backend
+    assert backend.forward.saved == [False]
+    cache = pool.k_buffer[0]
+    assert torch.equal(cache[40:45], k[:5]) and torch.equal(pool.v_buffer[0][40:45], v[:5])
+    assert not cache[1:40].any() and not cache[45:].any()  # nothing else but the padding slot 0
+
+
+@pytest.mark.parametrize("change", [
+    {"layer.k_scale": 1.0},  # scaled KV: the backend clones and scales before its store
+    {"layer.is_cross_attention": True},  # stores at the encoder's slots
+    {"metadata.swa_out_cache_loc": torch.zeros(16, dtype=torch.int64)},  # slots planned per forward
+    {"metadata.out_cache_loc_full_physical": torch.zeros(16, dtype=torch.int64)},
+    {"backend.dcp_size": 2},  # each rank stores its own tokens, masked per forward
+    {"pool.quant_method": object()},  # a quantized KV cache (is_quantized_kv_cache)
+], ids=lambda change: next(iter(change)))
+def test_a_store_that_reads_per_forward_state_stays_in_the_break(change):
+    batch, pool, q, k, v = _triton_capture(**change)
+    with live.bound(batch):
+        attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
+    assert batch.payload.attn_backend.forward.saved == [True]
+
+
+def test_other_backends_store_in_the_break():
+    batch, pool, q, k, v = _triton_capture()
+    backend = _ExtendBackend()
+    fwd = batch.payload
+    batch = live.LiveBatch(num_tokens=16, bucket=16, payload=attention.ForwardPass(
+        forward_batch=fwd.forward_batch, attn_backend=backend, attention_layers=fwd.attention_layers))
+    with live.bound(batch):
+        attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
+    assert backend.seen_cache_loc_rows == [16]  # the break stored, at every landed row's slot
+
+
+def test_a_fault_plugin_may_leave_the_graphs_store_the_captures_slots_and_the_batch_keeps_its_own(monkeypatch):
+    from bcg_plugin import faults
+    from bcg_plugin.adapters.sglang import replay
+
+    monkeypatch.setattr(faults, "_manager", None)
+    monkeypatch.delenv(faults.FAULTS_ENV, raising=False)
+    slots = torch.arange(40, 52)
+    plugin = types.ModuleType("bcg_test_stale_slots")
+    plugin.bcg_graph_metadata = faults.hookimpl(lambda live, earlier: live["out_cache_loc"].copy_(earlier["out_cache_loc"]))
+    faults.plugins().register(plugin)
+    try:
+        landed = replay._graph_slots(16, slots)
+    finally:
+        monkeypatch.setattr(faults, "_manager", None)
+    assert not landed.any() and torch.equal(slots, torch.arange(40, 52))
+
+
 # -- SGLang's own breaks under bcg's capture -----------------------------------------------------
 
 

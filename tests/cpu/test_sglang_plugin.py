@@ -625,7 +625,11 @@ def test_key_and_value_reach_the_break_contiguous(monkeypatch):
     qkv = torch.arange(4 * 12, dtype=torch.float32).view(4, 12)
     q, k, v = qkv.split([4, 4, 4], dim=-1)
     assert not k.is_contiguous() and not v.is_contiguous()
-    attention.captured_then_break(q, k, v, torch.empty(4, 4), True, 3, key_value_num_tokens=None)
+    from bcg_plugin import live
+
+    fwd = attention.ForwardPass(forward_batch=None, attn_backend=object(), attention_layers=[])  # stores in the break
+    with live.bound(live.LiveBatch(num_tokens=4, bucket=4, payload=fwd)):
+        attention.captured_then_break(q, k, v, torch.empty(4, 4), True, 3, key_value_num_tokens=None)
     assert seen["k"].is_contiguous() and seen["v"].is_contiguous()
     assert torch.equal(seen["k"], k) and torch.equal(seen["v"], v)
     assert seen["rest"] == ((True, 3), {"key_value_num_tokens": None})

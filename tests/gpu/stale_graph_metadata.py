@@ -1,10 +1,13 @@
-"""The stale-graph-metadata fault: a replay whose attention is inside the graph reads metadata of another batch.
+"""The stale-graph-metadata fault: a replay's graph reads batch metadata of another batch.
 
 Loaded in every engine process with ``BCG_TEST_FAULTS=stale_graph_metadata`` (see
-:mod:`bcg_plugin.faults`). After vLLM has landed the step's metadata in its persistent buffers, the
-per-request sequence lengths are put back to what the bucket's capture wrote there, so the captured
-attention kernels run on the step's queries with the dummy batch's key lengths: in bounds (the capture
-sized every grid for the bucket's worst case), wrong for the batch.
+:mod:`bcg_plugin.faults`). Once the host has landed the step's metadata where the graph reads it,
+it is put back to what the bucket's capture put there. vLLM, attention inside the graph: the
+per-request sequence lengths, so the captured attention kernels run on the step's queries with the
+dummy batch's key lengths (in bounds: the capture sized every grid for the bucket's worst case).
+SGLang, the KV-cache store inside the graph: the cache slots, all SGLang's padding slot, so the
+step's keys and values never reach the cache and whatever reads them later (the next chunk, a
+prefix hit, decode) reads other data.
 """
 
 from __future__ import annotations

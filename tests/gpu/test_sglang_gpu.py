@@ -1,9 +1,9 @@
 """bcg inside SGLang on a GPU: logprobs of bcg replays match eager prefill; a stale replay does not.
 
-Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``. Four engines
+Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``. Five engines
 start one after another in this process (each spawns its own scheduler): eager prefill
-(``cuda_graph_backend_prefill="disabled"``), bcg, bcg with the stale-metadata fault (the test plugin
-``stale_metadata.py``, loaded in the schedulers through ``BCG_TEST_FAULTS``), and eager prefill again.
+(``cuda_graph_backend_prefill="disabled"``), bcg, bcg with each of two faults (test plugins loaded in
+the schedulers through ``BCG_TEST_FAULTS``), and eager prefill again.
 
 Model: Qwen3-0.6B shape with random weights written once as a safetensors checkpoint that every
 engine loads: norms 1, matrices N(0, 1/fan_in), embeddings N(0, 0.05^2). SGLang's own dummy
@@ -19,14 +19,15 @@ the core's padded-replay error on hidden states is <= 2e-2 relative, well under 
 
 Two controls bracket the check: a replay with stale attention metadata must fail it (it is not too
 loose), and the eager engine run a second time must pass it against the first (it is not stricter
-than the host's own run-to-run reproducibility).
+than the host's own run-to-run reproducibility). A third engine stores the KV cache inside the graph
+at the slots of the bucket's capture (``stale_graph_metadata.py``): it must fail the check too.
 
 ``BCG_TEST_CHUNK`` sets the chunked-prefill size (default 1024; SGLang's default on an H200 is 8192).
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
 Every rank must replay the same buckets in the same order. ``BCG_TEST_RESULTS_DIR`` keeps each
-engine's outputs there and reuses them, so the three engines can run in separate commands.
+engine's outputs there and reuses them, so the engines can run in separate commands.
 
 With two GPUs or more, two more engines (eager and bcg) run DP attention over two ranks on the dense
 0.6B shape whatever the variables say, each rank sent prompts of other lengths in the same steps:
@@ -77,6 +78,8 @@ SEED = 0
 PROBES = [(40, 24), (100, 64), (300, 200)]
 STALE_SIZES = "32,64,128,256"
 STALE_FAULT = "stale_metadata"  # tests/gpu/stale_metadata.py: replays plan the previous replay's batch
+# tests/gpu/stale_graph_metadata.py: the graphs store keys and values at the capture's cache slots
+STALE_STORE_FAULT = "stale_graph_metadata"
 # Multi-GPU runs of the same check: BCG_TEST_TP=2 [BCG_TEST_MODEL=qwen3-8b] (needs TP GPUs), and with
 # DP attention BCG_TEST_TP=2 BCG_TEST_DP=2 [BCG_TEST_MODEL=qwen3-30b-a3b] (MoE: the expert layers'
 # collectives span the DP ranks). Models other than the 0.6B one load SGLang's dummy weights (a scaled
@@ -349,11 +352,14 @@ def runs(checkpoint):
     bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1"))
     stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_TEST_FAULTS=STALE_FAULT,
                                              BCG_SIZES=STALE_SIZES))
+    stale_store = kept("stale-store", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_SIZES=STALE_SIZES,
+                                                         BCG_TEST_FAULTS=STALE_STORE_FAULT))
     eager_again = kept("eager-again", lambda: run_engine(checkpoint, "disabled", waves, probes))
     spread = spread_of(eager["results"] + eager["probes"])
     print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread "
           f"at quantile {error_quantile()} of each request's positions")
-    return {"eager": eager, "bcg": bcg, "stale": stale, "eager_again": eager_again, "spread": spread}
+    return {"eager": eager, "bcg": bcg, "stale": stale, "stale_store": stale_store, "eager_again": eager_again,
+            "spread": spread}
 
 
 def test_bcg_replayed_prefill_and_mixed_forwards(runs):
@@ -399,15 +405,29 @@ def test_eager_again_passes_the_same_check(runs):
                               "stricter than the host's own reproducibility, so a bcg failure would say nothing")
 
 
+def stale_probe_errors(runs: dict, name: str) -> list[float]:
+    """The probes' errors of the faulted run ``name`` against eager, which must have replayed."""
+    assert any(f["graph"] for f in runs[name]["forwards"]), f"the {name} engine never replayed"
+    pairs = [(g, r) for g, r, q in zip(runs[name]["probes"], runs["eager"]["probes"], probe_requests())
+             if q.get("probe")]
+    errs = [request_error(g, r, runs["spread"]) for g, r in pairs]
+    print(f"[bcg gpu] {name} probe errors (x spread): {[round(e, 3) for e in errs]}")
+    return errs
+
+
 def test_stale_replay_fails_the_same_check(runs):
     """Negative control: the previous replay's attention plan must be caught by the same check."""
-    spread = runs["spread"]
-    assert any(f["graph"] for f in runs["stale"]["forwards"]), "the stale engine never replayed"
-    pairs = [(g, r) for g, r, q in zip(runs["stale"]["probes"], runs["eager"]["probes"], probe_requests())
-             if q.get("probe")]
-    errs = [request_error(g, r, spread) for g, r in pairs]
-    print(f"[bcg gpu] stale replay probe errors (x spread): {[round(e, 3) for e in errs]}")
+    errs = stale_probe_errors(runs, "stale")
     assert max(errs) > TOL, "a stale replay passed the correctness check: the check cannot see staleness"
+
+
+def test_stale_store_slots_fail_the_same_check(runs):
+    """Negative control of the KV-cache store inside the graph (triton backend): graphs that store
+    the step's keys and values at the slots the bucket was captured with, not the step's, must be
+    caught by the same check (the probes that reuse a cached prefix read what was never stored)."""
+    errs = stale_probe_errors(runs, "stale_store")
+    assert max(errs) > TOL, ("graphs storing the KV cache at stale slots passed the correctness check: "
+                             "the check cannot see where the graph stores")
 
 
 # -- DP attention on a dense model: a rank with fewer tokens than the DP-wide bucket ------------

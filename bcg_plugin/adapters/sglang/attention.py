@@ -126,17 +126,59 @@ def bcg_attention(
 
 
 def captured_then_break(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                        output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+                        output: torch.Tensor, save_kv_cache: bool, layer_id: int, *args: Any,
+                        **kwargs: Any) -> None:
     """What RadixAttention's breakable op becomes under bcg's capture: key and value made
-    contiguous inside the captured segment, then the eager break.
+    contiguous inside the captured segment, the KV-cache store too where it can be captured
+    (:func:`stores_in_segment`), then the eager break.
 
-    They arrive as strided views of the fused QKV projection, and the extend backends copy them
-    to contiguous tensors on every call: two launches per layer at every replay, which the
-    segment now does instead (the backend's own ``contiguous()`` is then a no-op).
+    Key and value arrive as strided views of the fused QKV projection, and the extend backends copy
+    them to contiguous tensors on every call: two launches per layer at every replay, which the
+    segment now does instead (the backend's own ``contiguous()`` is then a no-op). The store is
+    the backend's first step; in the segment it leaves the break only the attention kernel.
     """
     key = None if key is None else key.contiguous()
     value = None if value is None else value.contiguous()
-    return bcg_attention(query, key, value, output, *args, **kwargs)
+    if save_kv_cache and key is not None and value is not None:
+        fwd: ForwardPass = live.current().payload
+        if stores_in_segment(fwd, layer_id, key.shape[0]):
+            layer = fwd.attention_layers[layer_id]
+            fwd.attn_backend.token_to_kv_pool.set_kv_buffer(layer, _write_loc(fwd.forward_batch), key, value)
+            save_kv_cache = False
+    return bcg_attention(query, key, value, output, save_kv_cache, layer_id, *args, **kwargs)
+
+
+def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
+    """Whether layer ``layer_id``'s KV-cache store of ``rows`` key rows can run inside the captured
+    segment instead of the break.
+
+    Only where the store reads nothing but the batch's cache slots and the pool's per-layer
+    buffers: the slots are the bucket's static buffer (landed before every replay; padded and
+    DP-padded rows hold SGLang's padding slot 0, which no request owns and the store kernel skips)
+    and the buffers live as long as the pool (SGLang's own decode graphs hold the same addresses).
+    That is the triton backend on the plain MHA pool: no KV quantization or scales, no
+    sliding-window or unified pool (their write slots are planned per forward), no decode-context
+    parallelism, no cross-attention. Everything else stores in the break, as SGLang does.
+    """
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    backend = fwd.attn_backend
+    pool = getattr(backend, "token_to_kv_pool", None)
+    if type(backend) is not TritonAttnBackend or type(pool) is not MHATokenToKVPool:
+        return False
+    if (getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "use_mla", False)
+            or getattr(backend, "use_dense_fp8_chunked_prefill", False)):
+        return False
+    if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "requires_physical_write_loc", False):
+        return False
+    layer = fwd.attention_layers[layer_id]
+    if layer.k_scale is not None or layer.v_scale is not None or getattr(layer, "is_cross_attention", False):
+        return False
+    metadata = getattr(backend, "forward_metadata", None)
+    if any(getattr(metadata, name, None) is not None for name in ("swa_out_cache_loc", "out_cache_loc_full_physical")):
+        return False
+    return fwd.forward_batch.out_cache_loc.shape[0] == rows  # the store takes one slot per key row
 
 
 def layer_attention_break(layer: Any, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
@@ -169,6 +211,14 @@ def _narrows_positions() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _write_loc(fb: Any) -> Any:
+    """The batch's cache slots as SGLang's backends hand them to the pool's store (0.5.23 marks them
+    physical or not from the batch)."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    return KVWriteLoc.for_batch(fb) if hasattr(KVWriteLoc, "for_batch") else KVWriteLoc(fb.out_cache_loc)
 
 
 def _real_rows(fb: Any, landed: int) -> int:

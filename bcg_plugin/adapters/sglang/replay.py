@@ -180,13 +180,12 @@ class BcgPrefillRunner:
             raise RuntimeError("bcg: execute() without a matching can_run_graph() for this batch")
         bucket = planned[1]
         self._plan_attention(forward_batch, bucket)
+        slots = forward_batch.out_cache_loc
+        if faults.active():
+            slots = _graph_slots(bucket, slots)
         batch = HostBatch(
             num_tokens=len(forward_batch.input_ids),
-            inputs={
-                "input_ids": forward_batch.input_ids,
-                "positions": forward_batch.positions,
-                "out_cache_loc": forward_batch.out_cache_loc,
-            },
+            inputs={"input_ids": forward_batch.input_ids, "positions": forward_batch.positions, "out_cache_loc": slots},
             payload=self.host.forward_pass(forward_batch, kwargs),
         )
         return self.core.replay(bucket, batch)
@@ -284,6 +283,15 @@ def _first_tp_rank(model_runner: Any) -> bool:
         return get_parallel().tp_rank
 
     return first_rank(tp_rank)
+
+
+def _graph_slots(bucket: int, slots: Any) -> Any:
+    """The cache slots the graph's KV-cache store reads (:func:`~bcg_plugin.adapters.sglang.attention.stores_in_segment`),
+    as a fault plugin (tests only) may leave them: a copy of the batch's, offered beside the slots the
+    bucket was captured with (SGLang's padding slot, every row). The batch keeps its own tensor."""
+    live = {"out_cache_loc": slots.clone()}
+    faults.graph_metadata("sglang", bucket, live=live, earlier={"out_cache_loc": slots.new_zeros(slots.shape)})
+    return live["out_cache_loc"]
 
 
 def _dp_vote(forward_batch: Any) -> bool:
