@@ -256,15 +256,29 @@ def test_a_store_that_reads_per_forward_state_stays_in_the_break(change):
     assert batch.payload.attn_backend.forward.saved == [True]
 
 
+class _OtherBackend:
+    """Not SGLang's triton backend, though it holds everything the store in the segment would read."""
+
+
 def test_other_backends_store_in_the_break():
     batch, pool, q, k, v = _triton_capture()
-    backend = _ExtendBackend()
-    fwd = batch.payload
-    batch = live.LiveBatch(num_tokens=16, bucket=16, payload=attention.ForwardPass(
-        forward_batch=fwd.forward_batch, attn_backend=backend, attention_layers=fwd.attention_layers))
+    triton = batch.payload.attn_backend
+    other = _OtherBackend()
+    other.__dict__.update(vars(triton))
+    batch.payload.attn_backend = other
     with live.bound(batch):
         attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
-    assert backend.seen_cache_loc_rows == [16]  # the break stored, at every landed row's slot
+    assert other.forward.saved == [True]
+    assert not pool.k_buffer[0].any()  # nothing stored in the segment
+
+
+def test_keys_of_another_row_count_than_the_slots_store_in_the_break():
+    """SGLang's store takes one cache slot per key row; the segment stores only where they match."""
+    batch, pool, q, k, v = _triton_capture()
+    batch.payload.forward_batch.out_cache_loc = torch.zeros(20, dtype=torch.int64)
+    with live.bound(batch):
+        attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
+    assert batch.payload.attn_backend.forward.saved == [True]
 
 
 def test_a_fault_plugin_may_leave_the_graphs_store_the_captures_slots_and_the_batch_keeps_its_own(monkeypatch):
