@@ -346,3 +346,14 @@ class _RecordedOps(TorchDispatchMode):
 def recorded_ops():
     """``with recorded_ops() as ops:``: ``ops.names`` lists the aten ops run inside the block."""
     return _RecordedOps
+
+
+@pytest.fixture
+def fresh_faults(monkeypatch):
+    """No fault plugin loaded yet (:mod:`bcg_plugin.faults` loads its plugins once per process), and
+    none left loaded for the next test."""
+    from bcg_plugin import faults
+
+    monkeypatch.setattr(faults, "_manager", None)
+    yield
+    monkeypatch.setattr(faults, "_manager", None)

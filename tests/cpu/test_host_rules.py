@@ -58,13 +58,6 @@ def test_the_first_rank_logs_for_its_group():
     assert first_rank(no_group)
 
 
-@pytest.fixture
-def fresh_faults(monkeypatch):
-    monkeypatch.setattr(faults, "_manager", None)
-    yield
-    monkeypatch.setattr(faults, "_manager", None)
-
-
 def test_without_a_fault_plugin_replays_read_the_live_metadata(fresh_faults, monkeypatch):
     monkeypatch.delenv(faults.FAULTS_ENV, raising=False)
     assert not faults.active() and faults.replay_metadata("vllm", 64, live="live", earlier="old") == "live"

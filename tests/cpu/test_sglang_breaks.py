@@ -281,20 +281,17 @@ def test_keys_of_another_row_count_than_the_slots_store_in_the_break():
     assert batch.payload.attn_backend.forward.saved == [True]
 
 
-def test_a_fault_plugin_may_leave_the_graphs_store_the_captures_slots_and_the_batch_keeps_its_own(monkeypatch):
+def test_a_fault_plugin_may_leave_the_graphs_store_the_captures_slots_and_the_batch_keeps_its_own(
+        fresh_faults, monkeypatch):
     from bcg_plugin import faults
     from bcg_plugin.adapters.sglang import replay
 
-    monkeypatch.setattr(faults, "_manager", None)
     monkeypatch.delenv(faults.FAULTS_ENV, raising=False)
     slots = torch.arange(40, 52)
     plugin = types.ModuleType("bcg_test_stale_slots")
     plugin.bcg_graph_metadata = faults.hookimpl(lambda live, earlier: live["out_cache_loc"].copy_(earlier["out_cache_loc"]))
     faults.plugins().register(plugin)
-    try:
-        landed = replay._graph_slots(16, slots)
-    finally:
-        monkeypatch.setattr(faults, "_manager", None)
+    landed = replay._graph_slots(16, slots)
     assert not landed.any() and torch.equal(slots, torch.arange(40, 52))
 
 
