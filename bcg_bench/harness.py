@@ -327,14 +327,18 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     lines += profile.markdown(good)
     split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
     estimated = any(d.get("graph_mem_estimate_gib") is not None for d in good.values())
+    # bcg's own buckets, where the engine keeps graphs of its own beside them (vLLM's decode graphs).
+    own = result["engine"] == "vllm" and any(d.get("bcg_graph_gib") is not None for d in good.values())
     extra = (" | of which torch's allocator GiB" if split else "") + (
-        " | vLLM's estimate before capture GiB" if estimated else "")
+        " | of which bcg's buckets GiB" if own else "") + (" | vLLM's estimate before capture GiB" if estimated else "")
     lines += [f"| mode | init s | capture s | graph memory GiB{extra} |",
-              "|---|---|---|---|" + "---|" * (split + estimated)]
+              "|---|---|---|---|" + "---|" * (split + own + estimated)]
     for m, d in good.items():
         cells = [_fmt(d.get("init_s")), _fmt(d.get("capture_s")), _fmt(d.get("graph_mem_gib"), 3)]
         if split:
             cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
+        if own:
+            cells.append(_fmt(d.get("bcg_graph_gib"), 3))
         if estimated:
             cells.append(_fmt(d.get("graph_mem_estimate_gib"), 3))
         lines.append(f"| {m} | " + " | ".join(cells) + " |")

@@ -40,8 +40,9 @@ timed requests: the report's weight-read floor of a forward. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
 under ``torch.profiler`` (:mod:`bcg_bench.profile`). The bcg modes also record ``bcg_stats`` (each
 serving runner's summary line), ``bcg_buckets`` and ``bcg_capture_s`` (the buckets bcg captured
-and the seconds it took, which the capture seconds per bucket target reads) and, where the
-runtime reports them, ``graph_attention_buckets``.
+and the seconds it took, which the capture seconds per bucket target reads), ``bcg_graph_gib``
+(the device memory bcg's own buckets took, the rest of ``graph_mem_gib`` being vLLM's decode
+graphs) and, where the runtime reports them, ``graph_attention_buckets``.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the wrappers see it.
 
@@ -379,6 +380,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         seconds = [s["capture_seconds"] for s in stats if s.get("capture_seconds") is not None]
         if seconds:  # bcg's own part of capture_s (vLLM's decode graphs are the rest)
             result["bcg_capture_s"] = max(seconds)
+        graph = [s["graph_bytes"] for s in stats if s.get("graph_bytes") is not None]
+        if graph:  # bcg's own part of graph_mem_gib, as its capture summary measured it
+            result["bcg_graph_gib"] = max(graph) / 2**30
         inline = [s["graph_attention_buckets"] for s in stats if "graph_attention_buckets" in s]
         if inline:
             result["graph_attention_buckets"] = sorted({b for buckets in inline for b in buckets})

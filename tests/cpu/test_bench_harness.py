@@ -391,6 +391,25 @@ def test_report_sets_the_graph_memory_estimate_beside_the_capture_only_when_reco
     assert "vLLM's estimate before capture" not in harness.to_markdown(result)
 
 
+def test_report_sets_bcgs_own_graph_memory_beside_the_engines_on_vllm():
+    """bcg mode keeps vLLM's decode graphs beside its buckets: the report shows bcg's own share."""
+    result = {
+        "engine": "vllm", "engine_version": "0.33.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
+        "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.14.1"}, "sizes": [16],
+        "modes": {
+            "full": {"e2e_ms": {"16": 5.0}, "init_s": 10.0, "capture_s": 3.0, "graph_mem_gib": 0.7},
+            "bcg": {"e2e_ms": {"16": 5.0}, "init_s": 11.0, "capture_s": 2.0, "graph_mem_gib": 0.9,
+                    "bcg_graph_gib": 0.65},
+        },
+    }
+    md = harness.to_markdown(result)
+    assert "| mode | init s | capture s | graph memory GiB | of which bcg's buckets GiB |" in md
+    assert "| full | 10.00 | 3.00 | 0.700 | - |" in md
+    assert "| bcg | 11.00 | 2.00 | 0.900 | 0.650 |" in md
+    del result["modes"]["bcg"]["bcg_graph_gib"]
+    assert "of which bcg's buckets" not in harness.to_markdown(result)
+
+
 def test_bcg_compile_gets_its_own_ratios_against_the_hosts_modes_only():
     rounds = {"native_ladder": [5.0, 4.0], "bcg": [5.0, 5.0], "bcg_compile": [6.0, 4.4]}
     modes = {m: {"e2e_ms": {"16": min(v)}, "rounds": [{"e2e_ms": {"16": x}} for x in v]} for m, v in rounds.items()}

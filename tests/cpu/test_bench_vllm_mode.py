@@ -408,19 +408,21 @@ def test_a_bcg_attention_mode_whose_graphs_do_not_match_its_name_fails(monkeypat
 
 @pytest.mark.parametrize("captured", [56, None])
 def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured):
-    """``bcg_buckets`` and ``bcg_capture_s`` come from the runtime's stats as the worker RPC returns
-    them (the capture seconds per bucket target reads both); a runtime that does not report them
-    leaves them out."""
+    """``bcg_buckets``, ``bcg_capture_s`` and ``bcg_graph_gib`` come from the runtime's stats as the
+    worker RPC returns them (the capture seconds per bucket target reads the first two; the report
+    sets bcg's own graph memory beside the engine's); a runtime that does not report them leaves
+    them out."""
     from bcg_plugin.adapters.vllm.metrics import stats_dict
     from bcg_plugin.stats import RuntimeStats
 
-    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0, capture_seconds=1.5))
+    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0, capture_seconds=1.5, graph_bytes=3 * 2**28))
     if captured is None:
-        del runtime["buckets"], runtime["capture_seconds"]
+        del runtime["buckets"], runtime["capture_seconds"], runtime["graph_bytes"]
     bench = _fake_engine(monkeypatch, [[runtime]])
     result = bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
     assert result.get("bcg_buckets") == captured
     assert result.get("bcg_capture_s") == (1.5 if captured else None)  # bcg's part of the capture only
+    assert result.get("bcg_graph_gib") == (0.75 if captured else None)  # and of the graph memory
 
 
 @pytest.mark.usefixtures("fake_cuda_events")
