@@ -373,41 +373,30 @@ def test_report_shows_memory_beyond_the_kv_cache_only_when_measured():
     assert "Device memory once every N" not in harness.to_markdown(result)
 
 
-def test_report_sets_the_graph_memory_estimate_beside_the_capture_only_when_recorded():
+def test_report_sets_bcgs_own_graph_memory_and_the_estimate_beside_the_capture_only_when_recorded():
+    """bcg mode keeps vLLM's decode graphs beside its buckets: the report shows bcg's own share, and
+    the graph memory vLLM's worker estimated before sizing the KV cache."""
     result = {
         "engine": "vllm", "engine_version": "0.33.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
         "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.14.1"}, "sizes": [16],
         "modes": {
             "full": {"e2e_ms": {"16": 5.0}, "init_s": 10.0, "capture_s": 3.0, "graph_mem_gib": 0.7,
                      "graph_mem_estimate_gib": 0.75},
-            "bcg": {"e2e_ms": {"16": 5.0}, "init_s": 11.0, "capture_s": 2.0, "graph_mem_gib": 0.8},
-        },
-    }
-    md = harness.to_markdown(result)
-    assert "| mode | init s | capture s | graph memory GiB | vLLM's estimate before capture GiB |" in md
-    assert "| full | 10.00 | 3.00 | 0.700 | 0.750 |" in md
-    assert "| bcg | 11.00 | 2.00 | 0.800 | - |" in md
-    del result["modes"]["full"]["graph_mem_estimate_gib"]
-    assert "vLLM's estimate before capture" not in harness.to_markdown(result)
-
-
-def test_report_sets_bcgs_own_graph_memory_beside_the_engines_on_vllm():
-    """bcg mode keeps vLLM's decode graphs beside its buckets: the report shows bcg's own share."""
-    result = {
-        "engine": "vllm", "engine_version": "0.33.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
-        "date": "2026-11-30T00:00:00Z", "env": {"torch": "2.14.1"}, "sizes": [16],
-        "modes": {
-            "full": {"e2e_ms": {"16": 5.0}, "init_s": 10.0, "capture_s": 3.0, "graph_mem_gib": 0.7},
             "bcg": {"e2e_ms": {"16": 5.0}, "init_s": 11.0, "capture_s": 2.0, "graph_mem_gib": 0.9,
                     "bcg_graph_gib": 0.65},
         },
     }
     md = harness.to_markdown(result)
-    assert "| mode | init s | capture s | graph memory GiB | of which bcg's buckets GiB |" in md
-    assert "| full | 10.00 | 3.00 | 0.700 | - |" in md
-    assert "| bcg | 11.00 | 2.00 | 0.900 | 0.650 |" in md
+    assert ("| mode | init s | capture s | graph memory GiB | of which bcg's buckets GiB "
+            "| vLLM's estimate before capture GiB |") in md
+    assert "| full | 10.00 | 3.00 | 0.700 | - | 0.750 |" in md
+    assert "| bcg | 11.00 | 2.00 | 0.900 | 0.650 | - |" in md
+    del result["modes"]["full"]["graph_mem_estimate_gib"]
+    md = harness.to_markdown(result)
+    assert "vLLM's estimate before capture" not in md and "| bcg | 11.00 | 2.00 | 0.900 | 0.650 |" in md
     del result["modes"]["bcg"]["bcg_graph_gib"]
-    assert "of which bcg's buckets" not in harness.to_markdown(result)
+    md = harness.to_markdown(result)
+    assert "of which bcg's buckets" not in md and "| bcg | 11.00 | 2.00 | 0.900 |" in md
 
 
 def test_bcg_compile_gets_its_own_ratios_against_the_hosts_modes_only():
