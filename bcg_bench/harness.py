@@ -325,22 +325,18 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
                       for d in result["replaced"]) + ".", ""]
     lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
     lines += profile.markdown(good)
-    split = any(d.get("graph_mem_allocator_gib") is not None for d in good.values())
-    estimated = any(d.get("graph_mem_estimate_gib") is not None for d in good.values())
-    # bcg's own buckets, where the engine keeps graphs of its own beside them (vLLM's decode graphs).
-    own = result["engine"] == "vllm" and any(d.get("bcg_graph_gib") is not None for d in good.values())
-    extra = (" | of which torch's allocator GiB" if split else "") + (
-        " | of which bcg's buckets GiB" if own else "") + (" | vLLM's estimate before capture GiB" if estimated else "")
-    lines += [f"| mode | init s | capture s | graph memory GiB{extra} |",
-              "|---|---|---|---|" + "---|" * (split + own + estimated)]
+    # Columns shown where some mode recorded them. bcg's own buckets only on vLLM, whose bcg mode keeps
+    # vLLM's decode graphs beside them.
+    columns = [(key, heading) for key, heading in (
+        ("graph_mem_allocator_gib", "of which torch's allocator GiB"),
+        ("bcg_graph_gib", "of which bcg's buckets GiB"),
+        ("graph_mem_estimate_gib", "vLLM's estimate before capture GiB"),
+    ) if (key != "bcg_graph_gib" or result["engine"] == "vllm") and any(d.get(key) is not None for d in good.values())]
+    lines += ["| mode | init s | capture s | graph memory GiB" + "".join(f" | {h}" for _, h in columns) + " |",
+              "|---|---|---|---|" + "---|" * len(columns)]
     for m, d in good.items():
         cells = [_fmt(d.get("init_s")), _fmt(d.get("capture_s")), _fmt(d.get("graph_mem_gib"), 3)]
-        if split:
-            cells.append(_fmt(d.get("graph_mem_allocator_gib"), 3))
-        if own:
-            cells.append(_fmt(d.get("bcg_graph_gib"), 3))
-        if estimated:
-            cells.append(_fmt(d.get("graph_mem_estimate_gib"), 3))
+        cells += [_fmt(d.get(key), 3) for key, _ in columns]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + _footprint(good)
     lines += _break_cost_section(break_cost(good, result["model"].get("num_hidden_layers"), sizes))
