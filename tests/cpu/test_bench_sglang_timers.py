@@ -97,7 +97,8 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
     stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5,
                                   buckets_captured=56)
-    bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": types.SimpleNamespace(stats=stats)})(),
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({64, 16}))
+    bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": core})(),
                                 memory_usage_gb=0.75, capture_time=2.0)
     native = types.SimpleNamespace(runner=type("PrefillCudaGraphRunner", (), {})(), memory_usage_gb=0.25,
                                    capture_time=1.0)
@@ -106,7 +107,7 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     first, second = (json.loads(line) for line in path.read_text().splitlines())
     assert first == {"kind": "capture", "rank": 0, "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
                      "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
-                     "bcg_buckets": 56}
+                     "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64]}
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
 
 
@@ -114,7 +115,7 @@ def _capture_result(runner: str, buckets: int | None):
     """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats) or SGLang's own."""
     stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
                                   buckets_captured=buckets)
-    attrs = {} if buckets is None else {"core": types.SimpleNamespace(stats=stats)}
+    attrs = {} if buckets is None else {"core": types.SimpleNamespace(stats=stats, graph_attention=frozenset())}
     return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
 
 

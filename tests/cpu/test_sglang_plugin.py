@@ -654,10 +654,14 @@ def test_dp_token_counts_outlive_the_dummy_batch_that_brought_them():
     assert host._dp_fields(64)["global_num_tokens_gpu"] is alive()
 
 
-def planning_runner(planned: list):
+def planning_runner(planned: list, graph_planned: list | None = None, graph_buckets: frozenset = frozenset()):
+    """A runner whose eager plans go to ``planned``, and graph buckets' plans to ``graph_planned``."""
     r = BcgPrefillRunner.__new__(BcgPrefillRunner)
     r.model_runner = types.SimpleNamespace(attn_backend=types.SimpleNamespace(init_forward_metadata=planned.append),
                                            model=object())
+    r.core = types.SimpleNamespace(graph_attention=graph_buckets)
+    r.host = types.SimpleNamespace(graph=types.SimpleNamespace(
+        plan_replay=(graph_planned if graph_planned is not None else []).append))
     r._previous_replay = None
     return r
 
@@ -692,6 +696,25 @@ def test_replays_plan_their_own_batch_without_a_fault_plugin():
     r._plan_attention(first, 8)
     r._plan_attention(second, 8)
     assert planned == [first, second] and r._previous_replay is None  # nothing kept for a fault
+
+
+def test_graph_attention_buckets_plan_into_the_graphs_wrappers_and_the_others_eagerly():
+    planned, graph_planned = [], []
+    r = planning_runner(planned, graph_planned, graph_buckets=frozenset({8}))
+    small, large = extend_batch(8), extend_batch(16)
+    r._plan_attention(small, 8)
+    r._plan_attention(large, 16)
+    assert graph_planned == [small] and planned == [large]
+
+
+def test_stale_metadata_fault_plans_the_earlier_batch_into_a_graph_buckets_wrappers(stale_metadata_fault):
+    """The negative control reaches attention inside the graph: its wrappers get the earlier batch's plan."""
+    planned, graph_planned = [], []
+    r = planning_runner(planned, graph_planned, graph_buckets=frozenset({8}))
+    first = extend_batch()
+    r._plan_attention(first, 8)
+    r._plan_attention(extend_batch(), 8)
+    assert graph_planned == [first, first] and planned == []
 
 
 def test_stale_metadata_fault_never_plans_from_an_idle_dp_forward(stale_metadata_fault):

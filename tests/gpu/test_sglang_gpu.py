@@ -23,6 +23,9 @@ than the host's own run-to-run reproducibility). A third engine stores the KV ca
 at the slots of the bucket's capture (``stale_graph_metadata.py``): it must fail the check too.
 
 ``BCG_TEST_CHUNK`` sets the chunked-prefill size (default 1024; SGLang's default on an H200 is 8192).
+``BCG_TEST_ATTENTION_BACKEND`` sets SGLang's attention backend (default triton, where attention is
+bcg's eager break; flashinfer keeps it inside bcg's graphs in every bucket up to 1024 tokens, so
+there the controls' stale plan and stale store slots are read inside the graph).
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
@@ -89,6 +92,7 @@ DP = int(os.environ.get("BCG_TEST_DP", "1"))
 MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget between the DP ranks
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
+ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
 RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in every scheduler
 
 
@@ -196,7 +200,7 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = T
         dp_size=dp,
         enable_dp_attention=dp > 1,
         skip_tokenizer_init=True,
-        attention_backend="triton",
+        attention_backend=ATTENTION_BACKEND,
         chunked_prefill_size=chunk,
         enable_mixed_chunk=True,
         cuda_graph_backend_prefill=mode,
@@ -267,8 +271,9 @@ def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list
         probe_results = [generate(engine, [r], **routing)[0] for r in probes]
     finally:
         engine.shutdown()
-    forwards = [json.loads(x) for x in record.read_text().splitlines()] if record.exists() else []
-    return {"results": results, "probes": probe_results, "forwards": [f for f in forwards if f["kind"] == "forward"]}
+    records = [json.loads(x) for x in record.read_text().splitlines()] if record.exists() else []
+    return {"results": results, "probes": probe_results, "forwards": [f for f in records if f["kind"] == "forward"],
+            "captures": [c for c in records if c["kind"] == "capture"]}
 
 
 # -- comparison --------------------------------------------------------------------------------
@@ -333,7 +338,7 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 
 def kept(name: str, run) -> dict:
     """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there."""
-    chunk = "" if CHUNK == 1024 else f"-chunk{CHUNK}"
+    chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}")
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
         return json.loads(path.read_text())
@@ -380,6 +385,19 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert problem is None, problem
 
 
+def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs):
+    """flashinfer: every bucket (all within ``auto``'s 1024 tokens) captured attention inside its
+    graph, so the check below covers that path; triton: none did (it has no graph plan)."""
+    [capture] = [c for c in runs["bcg"]["captures"] if c["runner"] == "BcgPrefillRunner" and c["rank"] == 0]
+    inside = capture["bcg_graph_attention_buckets"]
+    print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
+          f"{capture['bcg_buckets']} buckets")
+    if ATTENTION_BACKEND == "flashinfer" and DP == 1:
+        assert len(inside) == capture["bcg_buckets"] > 0
+    else:
+        assert inside == []
+
+
 def compare(runs: dict, name: str) -> list[float]:
     """Every request's and probe's error of run ``name`` against the eager run, printed."""
     spread = runs["spread"]
@@ -422,7 +440,8 @@ def test_stale_replay_fails_the_same_check(runs):
 
 
 def test_stale_store_slots_fail_the_same_check(runs):
-    """Negative control of the KV-cache store inside the graph (triton backend): graphs that store
+    """Negative control of the KV-cache store inside the graph (triton: before the break; flashinfer:
+    inside the graph's attention): graphs that store
     the step's keys and values at the slots the bucket was captured with, not the step's, must be
     caught by the same check (the probes that reuse a cached prefix read what was never stored)."""
     errs = stale_probe_errors(runs, "stale_store")

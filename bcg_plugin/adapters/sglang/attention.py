@@ -68,7 +68,7 @@ def refuse(what: str) -> None:
     raise BcgStateError(f"bcg cannot capture {what}; this model runs prefill eagerly")
 
 
-@eager_break(outputs=("output",))
+@eager_break(outputs=("output",), capturable=True)
 def bcg_attention(
     query: torch.Tensor,
     key: torch.Tensor | None,
@@ -81,7 +81,12 @@ def bcg_attention(
     key_value_num_tokens: int | None = None,
     **kwargs: Any,
 ) -> None:
-    """RadixAttention's extend attention on the live batch's real rows, written into ``output``."""
+    """RadixAttention's extend attention on the live batch's real rows, written into ``output``.
+
+    In a bucket that keeps attention inside the graph (:mod:`~bcg_plugin.adapters.sglang.graph_attention`)
+    this runs once, at capture, on the capture batch planned into the backend's graph wrappers, and
+    the kernels it launches are recorded: replays read the wrappers each step refills.
+    """
     if use_mha_companion or key_value_num_tokens is not None:
         refuse("MHA-companion / fixed-capacity prefix attention")
     batch = live.current()

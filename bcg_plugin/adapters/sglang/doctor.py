@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bcg_plugin.config import ENV_PREFIX
+from bcg_plugin.config import ENV_PREFIX, BcgConfig
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, config_env_names, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
 from bcg_plugin.faults import FAULTS_ENV
@@ -18,7 +18,7 @@ def diagnose() -> AdapterReport:
 
     report = AdapterReport("sglang", version.installed(), version.supported(),
                            enable_hint=f"--cuda-graph-backend-prefill {config.FLAG_VALUE} (or BCG_ENABLE=1)",
-                           check_config=check_config)
+                           check_config=check_config, attention_scope=attention_scope)
     if not report.installed:
         return report
     problem = version.problem()
@@ -26,6 +26,20 @@ def diagnose() -> AdapterReport:
         report.problems.append(problem)
     report.verify_targets(_patch_set(runtime=True), calls())
     return report
+
+
+def attention_scope(config: BcgConfig) -> str:
+    """Where each bucket's attention runs under ``config``
+    (:meth:`~bcg_plugin.adapters.sglang.graph_attention.GraphAttention.choose`)."""
+    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
+
+    if config.attention == "break":
+        return "an eager break in every bucket"
+    where = "in every bucket" if config.attention == "graph" else f"in buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens"
+    return (f"inside the graph {where}, where SGLang runs the flashinfer attention backend without DP attention, "
+            "sliding-window or cross attention (a step holding more requests than the bucket was captured for "
+            "runs eagerly); an eager break in the others (other backends"
+            f"{'' if config.attention == 'graph' else ', larger buckets'}); the capture logs its choice by bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from bcg_plugin.adapters.sglang.attention import ForwardPass
+from bcg_plugin.adapters.sglang.graph_attention import GraphAttention
 from bcg_plugin import HostBatch, StaticInput, hookimpl
 
 
@@ -24,10 +25,11 @@ class SglangHost:
     reserves for padding writes). The embedding lookup is captured in the first segment: batches
     that bring their own embeddings (multimodal, ``input_embeds``) never replay
     (:meth:`~bcg_plugin.adapters.sglang.replay.BcgPrefillRunner.can_replay_locally`), so no step needs an
-    eager lookup or an embeddings copy.
+    eager lookup or an embeddings copy. Where attention stays inside the graph, its per-request
+    metadata lives in the backend's wrappers instead (:class:`GraphAttention`, ``graph``).
     """
 
-    def __init__(self, model_runner: Any, layer_model: Any):
+    def __init__(self, model_runner: Any, layer_model: Any, chunk: int | None = None):
         self.model_runner = model_runner
         self.layer_model = layer_model
         self.device = torch.device(model_runner.device, torch.cuda.current_device())
@@ -37,6 +39,7 @@ class SglangHost:
         # (DP scatter under attention tensor parallelism) keep their addresses: they must outlive
         # the dummy batch that brought them, as SGLang's own runner keeps its dummy batch.
         self._dp_counts: dict[int, torch.Tensor] = {}
+        self.graph = GraphAttention(model_runner, self._dp, chunk, self.device)
 
     @property
     def dp_ranks(self) -> int | None:
@@ -62,19 +65,27 @@ class SglangHost:
         }
 
     @hookimpl
-    def bcg_dummy_batch(self, num_tokens: int) -> HostBatch:
-        """A plain extend of ``num_tokens`` new tokens, as few requests as the context allows."""
+    def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
+        return self.graph.choose(buckets, attention)
+
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool) -> HostBatch:
+        """A plain extend of ``num_tokens`` new tokens, as few requests as the context allows; for a
+        graph-attention bucket, followed by zero-length requests up to the request slots and planned
+        into the wrappers every replay of the bucket refills (:meth:`GraphAttention.plan_capture`)."""
         from sglang.srt.layers.dp_attention import DpPaddingMode
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
         mr, dev = self.model_runner, self.device
         ctx = mr.model_config.context_len
         seq_lens = [min(ctx, num_tokens - s) for s in range(0, num_tokens, ctx)]
+        positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in seq_lens])
+        if graph_attention:
+            seq_lens += [0] * (self.graph.request_slots - len(seq_lens))
         bs = len(seq_lens)
-        starts = [sum(seq_lens[:i]) for i in range(bs)]
+        starts = [sum(seq_lens[:i]) for i in range(bs)]  # zero-length requests start at the end
         lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in seq_lens])
         out_cache_loc = torch.zeros(num_tokens, dtype=torch.int64, device=dev)  # SGLang's padding slot
         dp = self._dp_fields(num_tokens)
         fb = ForwardBatch(
@@ -103,9 +114,12 @@ class SglangHost:
             **{_non_padded_field(ForwardBatch): num_tokens},
             **dp,
         )
-        # Planned eagerly, once per bucket; every replay plans its own live batch instead.
+        # Planned once per bucket; every replay plans its own live batch instead.
         with batch_forward_context(mr, fb):
-            mr.attn_backend.init_forward_metadata(fb)
+            if graph_attention:
+                self.graph.plan_capture(fb)
+            else:
+                mr.attn_backend.init_forward_metadata(fb)
         inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
         return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb))
 

@@ -171,6 +171,11 @@ class BcgPrefillRunner:
             bucket = self.core.bucket_for(len(forward_batch.input_ids))
         if bucket is None:
             return False
+        if bucket in self.core.graph_attention and not self.host.graph.fits(forward_batch):
+            # More requests than the bucket's attention was captured for; not under DP attention
+            # (graph attention declines it), so no other rank waits on this one's choice.
+            self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+            return False
         self._planned = (forward_batch, bucket)
         return True
 
@@ -219,14 +224,13 @@ class BcgPrefillRunner:
             ):
                 earlier = previous
         planned = faults.replay_metadata("sglang", bucket, live=forward_batch, earlier=earlier)
-        if planned is not forward_batch:
-            with batch_forward_context(self.model_runner, planned):
-                backend.init_forward_metadata(planned)
-            return
-        if hasattr(self.model_runner.model, "prepare_forward_batch"):
+        if planned is forward_batch and hasattr(self.model_runner.model, "prepare_forward_batch"):
             self.model_runner.model.prepare_forward_batch(forward_batch)
-        with batch_forward_context(self.model_runner, forward_batch):
-            backend.init_forward_metadata(forward_batch)
+        with batch_forward_context(self.model_runner, planned):
+            if bucket in self.core.graph_attention:  # into the wrappers the bucket's graph reads
+                self.host.graph.plan_replay(planned)
+            else:
+                backend.init_forward_metadata(planned)
 
     def close(self) -> None:
         self.core.close()
@@ -347,7 +351,8 @@ def build_runner(model_runner: Any, native_cls: type, cfg: BcgConfig) -> Any:
     if reason is not None:
         logger.warning("bcg: not serving prefill for this model (%s); SGLang's own runner is used", reason)
         return native_cls(model_runner)
-    host = SglangHost(model_runner, layer_model)
+    host = SglangHost(model_runner, layer_model,
+                      chunk=published("schedule", "chunked_prefill_size", model_runner.server_args))
     return BcgPrefillRunner(model_runner, cfg, host)
 
 

@@ -1,0 +1,182 @@
+"""Attention inside bcg's graph on SGLang: flashinfer's paged prefill, planned as SGLang's own
+``full`` prefill graphs plan it.
+
+A graph bucket is captured with a batch of ``r`` request slots (its real requests, then
+zero-length ones) whose plan (the backend's ``init_forward_metadata_out_graph`` with
+``in_capture``) writes into wrappers that keep their buffers for the engine's life. Before every
+replay the live batch's per-request vectors land in ``r``-long buffers, zeros after its real
+requests, and the same plan refills those wrappers from a view of the batch padded to ``r``: the
+captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
+requests. A step with more requests runs eagerly (counted).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("bcg_plugin.sglang")
+
+# The backend whose full prefill graph plan bcg uses, named so that checking it imports nothing
+# (flashinfer is not imported on a host that runs another backend).
+GRAPH_BACKEND = ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend")
+# The largest bucket ``auto`` keeps attention inside the graph for. Up to it one eager flashinfer
+# call per layer costs more host time than the step's GPU work hides; above it the grid captured for
+# the bucket's worst batch costs more GPU time than a call sized for the live batch: SGLang's own
+# full graphs take 1.24x bcg's breaking forward at 2048 tokens and 0.94x at 1024
+# (docs/benchmarks.md, SGLang 0.5.23 on flashinfer).
+AUTO_GRAPH_ATTENTION_TOKENS = 1024
+# The fewest request slots a graph bucket plans for. SGLang's own rule (chunked-prefill size / 512)
+# gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
+# step of a few prompts beside a running batch would run eagerly that often.
+MIN_REQUEST_SLOTS = 64
+
+
+def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
+    """Why attention cannot stay inside bcg's graphs on this runner, or ``None`` where it can."""
+    backend = model_runner.attn_backend
+    cls = type(backend)
+    if (cls.__module__, cls.__qualname__) != GRAPH_BACKEND:
+        return (f"the {cls.__name__} attention backend has no full prefill graph plan bcg uses "
+                "(--attention-backend flashinfer has)")
+    if not all(hasattr(backend, name) for name in ("init_forward_metadata_out_graph", "_create_full_cg_prefill_wrappers")):
+        return "this SGLang's flashinfer backend has no full prefill graph plan"
+    if dp_ranks is not None:
+        return "DP attention (its padded steps plan per rank)"
+    if getattr(backend, "dispatch_reason", None) is not None:
+        return "sliding-window or cross attention (a second flashinfer wrapper per layer)"
+    if getattr(backend, "use_sliding_window_kv_pool", False):
+        return "a sliding-window KV pool (its write slots are planned per forward)"
+    if getattr(backend, "prefill_uses_dequant_workspace", False):
+        return "a dequantizing KV workspace (filled per forward on the host)"
+    if getattr(backend, "skip_prefill", False):
+        return "a backend without prefill wrappers"
+    if not getattr(model_runner.model_config, "is_generation", True):
+        return "an embedding or encoder-only model"
+    if getattr(model_runner.server_args, "multi_item_scoring_delimiter", None) is not None:
+        return "multi-item scoring (its masks are planned per forward)"
+    pool = getattr(backend, "token_to_kv_pool", None)
+    if getattr(pool, "requires_physical_write_loc", False):
+        return "a KV pool that translates cache slots per forward"
+    return None
+
+
+def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
+    """``r``: the requests one graph-attention step may hold.
+
+    SGLang's ``full_prefill_max_req`` where the operator set it, else its rule (chunk / 512) raised
+    to :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows, and at least the requests the
+    ``top`` bucket's capture batch needs at ``context_len`` tokens each.
+    """
+    from bcg_plugin.adapters.sglang.replay import prefill_graph_config
+
+    configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
+    r = int(configured) if configured else max((chunk or 0) // 512, MIN_REQUEST_SLOTS)
+    r = min(r, int(model_runner.req_to_token_pool.size))
+    return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
+
+
+class RequestSlots:
+    """The ``r``-long per-request vectors a graph bucket's plan reads, padded with zero-length requests.
+
+    Holds device buffers for the request vectors SGLang's flashinfer plan reads (sequence and
+    extend lengths, prefix lengths, request-pool rows) and the host copy of the sequence lengths;
+    slots past a batch's requests hold zeros, which the plan turns into empty requests (row 0 of
+    the request pool is never read for them: their length is zero).
+    """
+
+    FIELDS = ("seq_lens", "req_pool_indices", "extend_seq_lens", "extend_prefix_lens")
+
+    def __init__(self, r: int, device: Any):
+        self.r = r
+        self.buffers = {name: torch.zeros(r, dtype=torch.int64, device=device) for name in self.FIELDS}
+        self.seq_lens_cpu = torch.zeros(r, dtype=torch.int64)
+
+    def padded_view(self, fb: Any) -> Any:
+        """A shallow copy of ``fb`` whose request vectors are this object's, ``fb``'s landed in
+        front of zeros, and whose batch size is ``r``: what SGLang's full graphs plan from."""
+        bs = int(fb.batch_size)
+        if bs > self.r:
+            raise ValueError(f"{bs} requests do not fit {self.r} request slots")
+        for name, buf in self.buffers.items():
+            buf[bs:].zero_()
+            buf[:bs].copy_(getattr(fb, name)[:bs])
+        self.seq_lens_cpu.zero_()
+        self.seq_lens_cpu[:bs].copy_(torch.as_tensor(fb.seq_lens_cpu)[:bs])
+        view = copy.copy(fb)
+        view.batch_size = self.r
+        for name, buf in self.buffers.items():
+            setattr(view, name, buf)
+        view.seq_lens_cpu = self.seq_lens_cpu
+        if getattr(fb, "req_pool_indices_cpu", None) is not None:  # SGLang 0.5.23 plans from it too
+            cpu = torch.zeros(self.r, dtype=fb.req_pool_indices_cpu.dtype)
+            cpu[:bs].copy_(fb.req_pool_indices_cpu[:bs])
+            view.req_pool_indices_cpu = cpu
+        return view
+
+
+class GraphAttention:
+    """Attention inside the graph for one SGLang runner: the buckets that keep it there, the request
+    slots their steps are padded to, and the backend's wrappers those buckets were captured with.
+
+    Decided once per runner (every capture of the ladder asks again and gets the same answer).
+    """
+
+    def __init__(self, model_runner: Any, dp_ranks: int | None, chunk: int | None, device: Any):
+        self.model_runner = model_runner
+        self.device = device
+        self.reason = decline_reason(model_runner, dp_ranks)
+        self.chunk = chunk
+        self.buckets: list[int] = []
+        self.slots: RequestSlots | None = None
+
+    def choose(self, buckets: list[int], attention: str) -> list[int] | None:
+        """The buckets whose attention stays inside the graph (``attention``: "graph" or "auto")."""
+        if self.reason is not None:
+            say = logger.warning if attention == "graph" else logger.info
+            say("bcg: attention stays an eager break in every bucket: %s", self.reason)
+            return None
+        chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= AUTO_GRAPH_ATTENTION_TOKENS]
+        if not chosen:
+            return None
+        if self.slots is None:
+            top = max(chosen)
+            r = request_slots(self.model_runner, self.chunk, top)
+            backend = self.model_runner.attn_backend
+            if backend.full_cg_prefill_wrappers is None:
+                # Sized for the largest graph bucket and r requests, as SGLang sizes its own.
+                backend.full_cg_prefill_wrappers = backend._create_full_cg_prefill_wrappers(r, top)
+            elif backend.full_cg_prefill_req_slots != r:
+                self.reason = "the backend's full prefill wrappers were made for another request count"
+                return self.choose(buckets, attention)
+            self.slots = RequestSlots(r, self.device)
+            self.buckets = chosen
+        return list(self.buckets)
+
+    @property
+    def request_slots(self) -> int:
+        return 0 if self.slots is None else self.slots.r
+
+    def fits(self, fb: Any) -> bool:
+        """Whether ``fb``'s requests fit the request slots of a graph bucket."""
+        return self.slots is not None and int(fb.batch_size) <= self.slots.r
+
+    def plan_capture(self, fb: Any) -> None:
+        """Plan a graph bucket's capture batch into the wrappers its replays refill."""
+        self.model_runner.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
+
+    def plan_replay(self, fb: Any) -> None:
+        """Land ``fb``'s requests into the slots and refill the wrappers the graph reads from them.
+
+        The captured kernels skip SGLang's per-layer waits for layers the hierarchical cache still
+        loads, so the whole load is waited for first (as SGLang's full graphs do).
+        """
+        assert self.slots is not None
+        counter = getattr(self.model_runner.token_to_kv_pool, "layer_transfer_counter", None)
+        if counter is not None and getattr(counter, "consumer_index", 0) >= 0:
+            counter.wait_until(counter.num_layers - 1)
+        self.model_runner.attn_backend.init_forward_metadata_out_graph(self.slots.padded_view(fb))

@@ -1,0 +1,256 @@
+"""Attention inside bcg's graph on SGLang (flashinfer's full prefill graph plan), on CPU against the
+installed sglang: which runners it declines, the request slots, the padded view every replay plans
+from, the capture batch, and the runner's choice between a graph plan, an eager plan and eager."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+pytest.importorskip("sglang")
+
+pytestmark = pytest.mark.sglang
+
+import torch  # noqa: E402
+
+from bcg_plugin import BcgConfig, PrefillGraphRunner, plugin_manager  # noqa: E402
+from bcg_plugin.adapters.sglang import graph_attention as ga  # noqa: E402
+from bcg_plugin.adapters.sglang.doctor import attention_scope  # noqa: E402
+from bcg_plugin.adapters.sglang.replay import BcgPrefillRunner  # noqa: E402
+from bcg_plugin.stats import StatsReporter  # noqa: E402
+
+
+def flashinfer_backend(**attrs):
+    """SGLang's real ``FlashInferAttnBackend`` class, its instance built without a GPU."""
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+
+    backend = FlashInferAttnBackend.__new__(FlashInferAttnBackend)
+    made = []
+    backend.full_cg_prefill_wrappers = None
+    backend.dispatch_reason = None
+    backend.use_sliding_window_kv_pool = False
+    backend.prefill_uses_dequant_workspace = False
+    backend.skip_prefill = False
+    backend.token_to_kv_pool = types.SimpleNamespace()
+
+    def create(num_slots, max_num_tokens):
+        made.append((num_slots, max_num_tokens))
+        backend.full_cg_prefill_req_slots = num_slots
+        return ["wrapper"]
+
+    backend._create_full_cg_prefill_wrappers = create
+    backend.made = made
+    for name, value in attrs.items():
+        setattr(backend, name, value)
+    return backend
+
+
+def model_runner(backend=None, *, pool_rows=256, context_len=4096, max_req=None, is_generation=True, **server):
+    prefill = types.SimpleNamespace(full_prefill_max_req=max_req)
+    return types.SimpleNamespace(
+        attn_backend=backend if backend is not None else flashinfer_backend(),
+        req_to_token_pool=types.SimpleNamespace(size=pool_rows),
+        model_config=types.SimpleNamespace(context_len=context_len, is_generation=is_generation),
+        server_args=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(prefill=prefill),
+                                          multi_item_scoring_delimiter=server.get("delimiter")),
+        token_to_kv_pool=types.SimpleNamespace(layer_transfer_counter=server.get("counter")),
+    )
+
+
+# -- which runners keep attention inside ---------------------------------------------------------
+
+
+def test_flashinfer_without_dp_or_a_second_wrapper_keeps_attention_inside():
+    assert ga.decline_reason(model_runner(), dp_ranks=None) is None
+
+
+def test_other_backends_are_declined_by_their_class():
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    triton = TritonAttnBackend.__new__(TritonAttnBackend)
+    assert "TritonAttnBackend" in ga.decline_reason(model_runner(triton), None)
+
+    class Subclass(type(flashinfer_backend())):  # e.g. a draft or multi-step variant planning otherwise
+        pass
+
+    assert "Subclass" in ga.decline_reason(model_runner(Subclass.__new__(Subclass)), None)
+
+
+@pytest.mark.parametrize(("runner", "dp_ranks", "named"), [
+    (lambda: model_runner(), 1, "DP attention"),
+    (lambda: model_runner(flashinfer_backend(dispatch_reason="sliding_window")), None, "sliding-window or cross"),
+    (lambda: model_runner(flashinfer_backend(use_sliding_window_kv_pool=True)), None, "sliding-window KV pool"),
+    (lambda: model_runner(flashinfer_backend(prefill_uses_dequant_workspace=True)), None, "dequantizing"),
+    (lambda: model_runner(flashinfer_backend(skip_prefill=True)), None, "without prefill wrappers"),
+    (lambda: model_runner(is_generation=False), None, "embedding"),
+    (lambda: model_runner(delimiter=128), None, "multi-item scoring"),
+    (lambda: model_runner(flashinfer_backend(token_to_kv_pool=types.SimpleNamespace(requires_physical_write_loc=True))),
+     None, "translates cache slots"),
+])
+def test_each_runner_that_plans_per_forward_is_declined_by_name(runner, dp_ranks, named):
+    assert named in ga.decline_reason(runner(), dp_ranks)
+
+
+def test_a_flashinfer_backend_without_sglangs_full_graph_plan_is_declined(monkeypatch):
+    backend = flashinfer_backend()
+    del backend._create_full_cg_prefill_wrappers
+    monkeypatch.delattr(type(backend), "_create_full_cg_prefill_wrappers")  # as in a release without it
+    assert "no full prefill graph plan" in ga.decline_reason(model_runner(backend), None)
+
+
+# -- request slots ------------------------------------------------------------------------------
+
+
+def test_request_slots_follow_sglangs_setting_else_its_rule_raised_to_the_minimum():
+    assert ga.request_slots(model_runner(max_req=24), chunk=8192, top=1024) == 24
+    assert ga.request_slots(model_runner(), chunk=1024, top=1024) == ga.MIN_REQUEST_SLOTS  # 1024 // 512 = 2
+    assert ga.request_slots(model_runner(), chunk=65536, top=1024) == 128
+    assert ga.request_slots(model_runner(pool_rows=10), chunk=8192, top=1024) == 10  # the pool's rows
+    # the capture batch of the top bucket needs ceil(1024 / 16) requests of 16 tokens
+    assert ga.request_slots(model_runner(pool_rows=10, context_len=16), chunk=8192, top=1024) == 64
+
+
+def batch(seq_lens, prefix_lens):
+    seq = torch.tensor(seq_lens)
+    prefix = torch.tensor(prefix_lens)
+    return types.SimpleNamespace(
+        batch_size=len(seq_lens), seq_lens=seq, seq_lens_cpu=seq.clone(), extend_prefix_lens=prefix,
+        extend_seq_lens=seq - prefix, req_pool_indices=torch.arange(3, 3 + len(seq_lens)), seq_lens_sum=int(seq.sum()))
+
+
+def test_the_padded_view_lands_the_requests_before_zero_length_ones_and_leaves_the_batch_alone():
+    slots = ga.RequestSlots(4, "cpu")
+    slots.padded_view(batch([9, 7, 5], [2, 0, 1]))
+    fb = batch([12], [4])
+    view = slots.padded_view(fb)
+    assert view.batch_size == 4 and fb.batch_size == 1
+    assert view.seq_lens.tolist() == [12, 0, 0, 0]  # nothing left of the earlier, larger batch
+    assert view.seq_lens_cpu.tolist() == [12, 0, 0, 0] and view.seq_lens_cpu.device.type == "cpu"
+    assert view.extend_prefix_lens.tolist() == [4, 0, 0, 0] and view.extend_seq_lens.tolist() == [8, 0, 0, 0]
+    assert view.req_pool_indices.tolist() == [3, 0, 0, 0]
+    assert view.seq_lens_sum == 12 and fb.seq_lens.tolist() == [12]
+    # every replay lands in the same buffers (the plan copies from them; nothing is allocated per step)
+    assert view.seq_lens is slots.buffers["seq_lens"]
+
+
+def test_more_requests_than_slots_are_refused():
+    with pytest.raises(ValueError, match="5 requests do not fit 4"):
+        ga.RequestSlots(4, "cpu").padded_view(batch([1] * 5, [0] * 5))
+
+
+# -- the choice, once per runner ----------------------------------------------------------------
+
+
+def test_auto_keeps_attention_inside_up_to_its_bound_and_graph_everywhere():
+    buckets = [16, 512, 1024, 2048, 8192]
+    assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "auto") == [16, 512, 1024]
+    assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "graph") == buckets
+
+
+def test_the_wrappers_are_made_once_for_the_largest_graph_bucket_and_the_request_slots():
+    runner = model_runner(max_req=8)
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    first = graph.choose([16, 512, 1024, 2048], "auto")
+    again = graph.choose([16, 512, 1024, 2048], "auto")  # each capture of the ladder asks again
+    assert first == again == [16, 512, 1024]
+    assert runner.attn_backend.made == [(8, 1024)] and runner.attn_backend.full_cg_prefill_wrappers == ["wrapper"]
+    assert graph.request_slots == 8
+
+
+def test_wrappers_made_for_another_request_count_are_not_reused(caplog):
+    runner = model_runner(flashinfer_backend(full_cg_prefill_wrappers=["theirs"], full_cg_prefill_req_slots=3), max_req=8)
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert ga.GraphAttention(runner, None, 8192, "cpu").choose([16], "auto") is None
+    assert "another request count" in caplog.text
+
+
+def test_a_declined_runner_says_why_once_per_choice_loudest_when_graph_was_asked_for(caplog):
+    graph = ga.GraphAttention(model_runner(), 1, 8192, "cpu")
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert graph.choose([16], "auto") is None
+        assert graph.choose([16], "graph") is None
+    levels = [r.levelno for r in caplog.records if "DP attention" in r.getMessage()]
+    assert levels == [logging.INFO, logging.WARNING]
+
+
+def test_a_replay_waits_for_the_hierarchical_cache_to_load_every_layer_first():
+    waited, planned = [], []
+    counter = types.SimpleNamespace(consumer_index=0, num_layers=28, wait_until=waited.append)
+    runner = model_runner(counter=counter)
+    runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: planned.append((fb, in_capture))
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16], "auto")
+    graph.plan_replay(batch([5], [0]))
+    assert waited == [27] and planned[0][0].batch_size == graph.request_slots and planned[0][1] is False
+    counter.consumer_index = -1  # no load in flight
+    graph.plan_replay(batch([5], [0]))
+    assert waited == [27] and len(planned) == 2
+
+
+def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
+    from bcg_plugin.adapters.sglang.host import SglangHost
+
+    captured = []
+    runner = model_runner(context_len=100, max_req=6)
+    runner.attention_layers = []
+    runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: captured.append(in_capture)
+    runner.attn_backend.init_forward_metadata = lambda fb: captured.append("eager")
+    host = SglangHost.__new__(SglangHost)
+    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
+    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
+    assert host.bcg_graph_attention([256], "graph") == [256]
+    fb = host.bcg_dummy_batch(256, graph_attention=True).payload.forward_batch
+    assert fb.batch_size == 6 and fb.seq_lens.tolist() == [100, 100, 56, 0, 0, 0]
+    assert fb.extend_start_loc.tolist() == [0, 100, 200, 256, 256, 256]
+    assert fb.seq_lens_cpu.tolist() == [100, 100, 56, 0, 0, 0] and fb.extend_seq_lens_cpu == [100, 100, 56, 0, 0, 0]
+    assert fb.positions.shape == (256,) and fb.positions[200:].tolist() == list(range(56))
+    assert captured == [True]
+    fb = host.bcg_dummy_batch(256, graph_attention=False).payload.forward_batch
+    assert fb.batch_size == 3 and captured == [True, "eager"]
+
+
+# -- the runner: graph plan, eager plan, or eager ----------------------------------------------
+
+
+def runner_with_graph_buckets(graph_buckets, slots):
+    cfg = BcgConfig(enable=True, sizes=(16, 32, 64))
+    core = PrefillGraphRunner(plugin_manager(), cfg, chunk_size=64, device="cpu")
+    core._graphs = {b: None for b in core.buckets}
+    core.graph_attention = frozenset(graph_buckets)
+    runner = object.__new__(BcgPrefillRunner)
+    runner.core = core
+    graph = ga.GraphAttention.__new__(ga.GraphAttention)
+    graph.slots = ga.RequestSlots(slots, "cpu")
+    runner.host = types.SimpleNamespace(dp_ranks=None, graph=graph)
+    runner.stats_reporter = StatsReporter(core.stats, logger=logging.getLogger("bcg_plugin.sglang"), interval_s=0)
+    runner._planned = None
+    runner._unknown_kwargs_logged = False
+    return runner
+
+
+def extend(n, requests):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
+
+    return types.SimpleNamespace(
+        batch_size=requests, input_ids=[0] * n, input_embeds=None, replace_embeds=None,
+        extend_prefix_lens_cpu=[0] * requests, forward_mode=ForwardMode.EXTEND,
+        capture_hidden_mode=CaptureHiddenMode.NULL, return_logprob=False, global_num_tokens_cpu=None)
+
+
+def test_a_step_with_more_requests_than_a_graph_buckets_slots_runs_eagerly_and_is_counted():
+    r = runner_with_graph_buckets({16}, slots=2)
+    assert r.can_run_graph(extend(12, 2)) and r._planned[1] == 16
+    assert not r.can_run_graph(extend(12, 3))
+    assert r.core.stats.fallbacks["feature_not_captured"] == 1
+    assert r.can_run_graph(extend(30, 3)) and r._planned[1] == 32  # a breaking bucket takes any count
+
+
+# -- what bcg doctor says --------------------------------------------------------------------
+
+
+def test_doctor_names_where_attention_runs_for_each_choice():
+    assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
+    assert f"up to {ga.AUTO_GRAPH_ATTENTION_TOKENS} tokens" in attention_scope(BcgConfig(attention="auto"))
+    assert "inside the graph in every bucket" in attention_scope(BcgConfig(attention="graph"))
