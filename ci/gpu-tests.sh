@@ -4,7 +4,7 @@
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
 #   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, metrics
 # (sglang runs SGLang's triton backend, where attention breaks; sglang-flashinfer its flashinfer
-# backend, where attention stays inside bcg's graphs)
+# backend with attention inside bcg's graphs, BCG_ATTENTION=graph)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
@@ -12,7 +12,7 @@ mkdir -p "$logdir"
 commit="${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 rc=0
 for suite in "$@"; do
-    env=(BCG_TEST_ATTENTION_BACKEND=triton)
+    env=()
     case "$suite" in
         core)            args=(tests/gpu/test_runtime_gpu.py -m gpu) ;;
         vllm)            args=(tests/gpu/test_vllm_gpu.py -m gpu -k "not compile and not graph") ;;
@@ -20,13 +20,13 @@ for suite in "$@"; do
         vllm-compile)    args=(tests/gpu/test_vllm_gpu.py -m gpu -k compile) ;;
         vllm-step-limit) args=(tests/gpu/test_vllm_step_limit_gpu.py -m gpu) ;;
         sglang)          args=(tests/gpu/test_sglang_gpu.py -m gpu) ;;
-        sglang-flashinfer) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer) ;;
+        sglang-flashinfer) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=graph) ;;
         metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;
         *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, metrics)" >&2; exit 2 ;;
     esac
     log="$logdir/$suite.log"
     {
-        echo "# ${env[*]} python3 -m pytest ${args[*]} -s"
+        echo "# ${env[*]+${env[*]} }python3 -m pytest ${args[*]} -s"
         python3 - "$commit" <<'PY'
 import importlib.metadata as md, sys, datetime, torch
 def v(name):
@@ -39,7 +39,7 @@ print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}, {gpu},
       f"vllm {v('vllm')}, sglang {v('sglang')}, bcg-plugin {v('bcg-plugin')} at {sys.argv[1]}")
 PY
     } > "$log"
-    env "${env[@]}" python3 -m pytest "${args[@]}" -s -p no:cacheprovider >> "$log" 2>&1
+    env ${env[@]+"${env[@]}"} python3 -m pytest "${args[@]}" -s -p no:cacheprovider >> "$log" 2>&1
     status=$?
     echo "== $suite: exit $status ($(grep -E '(passed|failed|error)' "$log" | tail -1))"
     [ "$status" -eq 0 ] || rc=1

@@ -143,17 +143,20 @@ def test_more_requests_than_slots_are_refused():
 # -- the choice, once per runner ----------------------------------------------------------------
 
 
-def test_auto_keeps_attention_inside_up_to_its_bound_and_graph_everywhere():
+def test_graph_keeps_attention_inside_every_bucket_and_auto_none(caplog):
     buckets = [16, 512, 1024, 2048, 8192]
-    assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "auto") == [16, 512, 1024]
     assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "graph") == buckets
+    runner = model_runner()
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert ga.GraphAttention(runner, None, 8192, "cpu").choose(buckets, "auto") is None
+    assert "experimental" in caplog.text and runner.attn_backend.made == []  # nothing allocated
 
 
 def test_the_wrappers_are_made_once_for_the_largest_graph_bucket_and_the_request_slots():
     runner = model_runner(max_req=8)
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
-    first = graph.choose([16, 512, 1024, 2048], "auto")
-    again = graph.choose([16, 512, 1024, 2048], "auto")  # each capture of the ladder asks again
+    first = graph.choose([16, 512, 1024], "graph")
+    again = graph.choose([16, 512, 1024], "graph")  # each capture of the ladder asks again
     assert first == again == [16, 512, 1024]
     assert runner.attn_backend.made == [(8, 1024)] and runner.attn_backend.full_cg_prefill_wrappers == ["wrapper"]
     assert graph.request_slots == 8
@@ -162,17 +165,14 @@ def test_the_wrappers_are_made_once_for_the_largest_graph_bucket_and_the_request
 def test_wrappers_made_for_another_request_count_are_not_reused(caplog):
     runner = model_runner(flashinfer_backend(full_cg_prefill_wrappers=["theirs"], full_cg_prefill_req_slots=3), max_req=8)
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert ga.GraphAttention(runner, None, 8192, "cpu").choose([16], "auto") is None
+        assert ga.GraphAttention(runner, None, 8192, "cpu").choose([16], "graph") is None
     assert "another request count" in caplog.text
 
 
-def test_a_declined_runner_says_why_once_per_choice_loudest_when_graph_was_asked_for(caplog):
-    graph = ga.GraphAttention(model_runner(), 1, 8192, "cpu")
+def test_a_declined_runner_says_why_in_a_warning(caplog):
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert graph.choose([16], "auto") is None
-        assert graph.choose([16], "graph") is None
-    levels = [r.levelno for r in caplog.records if "DP attention" in r.getMessage()]
-    assert levels == [logging.INFO, logging.WARNING]
+        assert ga.GraphAttention(model_runner(), 1, 8192, "cpu").choose([16], "graph") is None
+    assert [r.levelno for r in caplog.records if "DP attention" in r.getMessage()] == [logging.WARNING]
 
 
 def test_a_replay_waits_for_the_hierarchical_cache_to_load_every_layer_first():
@@ -181,7 +181,7 @@ def test_a_replay_waits_for_the_hierarchical_cache_to_load_every_layer_first():
     runner = model_runner(counter=counter)
     runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: planned.append((fb, in_capture))
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
-    graph.choose([16], "auto")
+    graph.choose([16], "graph")
     graph.plan_replay(batch([5], [0]))
     assert waited == [27] and planned[0][0].batch_size == graph.request_slots and planned[0][1] is False
     counter.consumer_index = -1  # no load in flight
@@ -251,6 +251,7 @@ def test_a_step_with_more_requests_than_a_graph_buckets_slots_runs_eagerly_and_i
 
 
 def test_doctor_names_where_attention_runs_for_each_choice():
-    assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
-    assert f"up to {ga.AUTO_GRAPH_ATTENTION_TOKENS} tokens" in attention_scope(BcgConfig(attention="auto"))
-    assert "inside the graph in every bucket" in attention_scope(BcgConfig(attention="graph"))
+    assert attention_scope(BcgConfig(attention="break")).startswith("an eager break in every bucket")
+    assert attention_scope(BcgConfig(attention="auto")).startswith("an eager break in every bucket")
+    assert "BCG_ATTENTION=graph" in attention_scope(BcgConfig(attention="auto"))
+    assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")

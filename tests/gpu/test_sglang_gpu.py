@@ -24,8 +24,9 @@ at the slots of the bucket's capture (``stale_graph_metadata.py``): it must fail
 
 ``BCG_TEST_CHUNK`` sets the chunked-prefill size (default 1024; SGLang's default on an H200 is 8192).
 ``BCG_TEST_ATTENTION_BACKEND`` sets SGLang's attention backend (default triton, where attention is
-bcg's eager break; flashinfer keeps it inside bcg's graphs in every bucket up to 1024 tokens, so
-there the controls' stale plan and stale store slots are read inside the graph).
+bcg's eager break). With flashinfer and ``BCG_ATTENTION=graph`` (``ci/gpu-tests.sh sglang-flashinfer``)
+attention stays inside bcg's graphs in every bucket, so there the controls' stale plan and stale
+store slots are read inside the graph.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
@@ -93,6 +94,7 @@ MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget between the DP ranks
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
+GRAPH_ATTENTION = ATTENTION_BACKEND == "flashinfer" and os.environ.get("BCG_ATTENTION") == "graph" and DP == 1
 RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in every scheduler
 
 
@@ -338,7 +340,7 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 
 def kept(name: str, run) -> dict:
     """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there."""
-    chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}")
+    chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + ("-graph" if GRAPH_ATTENTION else "")
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
         return json.loads(path.read_text())
@@ -386,13 +388,14 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
 
 
 def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs):
-    """flashinfer: every bucket (all within ``auto``'s 1024 tokens) captured attention inside its
-    graph, so the check below covers that path; triton: none did (it has no graph plan)."""
+    """flashinfer with ``BCG_ATTENTION=graph``: every bucket captured attention inside its graph, so
+    the check below covers that path; otherwise none did (``auto`` breaks on SGLang, triton has no
+    graph plan)."""
     [capture] = [c for c in runs["bcg"]["captures"] if c["runner"] == "BcgPrefillRunner" and c["rank"] == 0]
     inside = capture["bcg_graph_attention_buckets"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
           f"{capture['bcg_buckets']} buckets")
-    if ATTENTION_BACKEND == "flashinfer" and DP == 1:
+    if GRAPH_ATTENTION:
         assert len(inside) == capture["bcg_buckets"] > 0
     else:
         assert inside == []

@@ -31,15 +31,13 @@ def diagnose() -> AdapterReport:
 def attention_scope(config: BcgConfig) -> str:
     """Where each bucket's attention runs under ``config``
     (:meth:`~bcg_plugin.adapters.sglang.graph_attention.GraphAttention.choose`)."""
-    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
-
-    if config.attention == "break":
-        return "an eager break in every bucket"
-    where = "in every bucket" if config.attention == "graph" else f"in buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens"
-    return (f"inside the graph {where}, where SGLang runs the flashinfer attention backend without DP attention, "
-            "sliding-window or cross attention (a step holding more requests than the bucket was captured for "
-            "runs eagerly); an eager break in the others (other backends"
-            f"{'' if config.attention == 'graph' else ', larger buckets'}); the capture logs its choice by bucket range")
+    if config.attention != "graph":
+        return ("an eager break in every bucket (attention inside the graph is experimental on SGLang: "
+                "BCG_ATTENTION=graph takes it)")
+    return ("inside the graph in every bucket (experimental), where SGLang runs the flashinfer attention backend "
+            "without DP attention, sliding-window or cross attention, a step holding more requests than the "
+            "buckets were captured for running eagerly; an eager break on other backends; the capture logs its "
+            "choice by bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

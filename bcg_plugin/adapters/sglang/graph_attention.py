@@ -8,6 +8,9 @@ replay the live batch's per-request vectors land in ``r``-long buffers, zeros af
 requests, and the same plan refills those wrappers from a view of the batch padded to ``r``: the
 captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
 requests. A step with more requests runs eagerly (counted).
+
+Experimental, with no engine-suite result on a GPU yet: taken only with ``attention: graph``
+(``BCG_ATTENTION=graph``); ``auto`` keeps attention an eager break on SGLang.
 """
 
 from __future__ import annotations
@@ -24,12 +27,6 @@ logger = logging.getLogger("bcg_plugin.sglang")
 # The backend whose full prefill graph plan bcg uses, named so that checking it imports nothing
 # (flashinfer is not imported on a host that runs another backend).
 GRAPH_BACKEND = ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend")
-# The largest bucket ``auto`` keeps attention inside the graph for. Up to it one eager flashinfer
-# call per layer costs more host time than the step's GPU work hides; above it the grid captured for
-# the bucket's worst batch costs more GPU time than a call sized for the live batch: SGLang's own
-# full graphs take 1.24x bcg's breaking forward at 2048 tokens and 0.94x at 1024
-# (docs/benchmarks.md, SGLang 0.5.23 on flashinfer).
-AUTO_GRAPH_ATTENTION_TOKENS = 1024
 # The fewest request slots a graph bucket plans for. SGLang's own rule (chunked-prefill size / 512)
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
@@ -135,16 +132,19 @@ class GraphAttention:
         self.slots: RequestSlots | None = None
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
-        """The buckets whose attention stays inside the graph (``attention``: "graph" or "auto")."""
-        if self.reason is not None:
-            say = logger.warning if attention == "graph" else logger.info
-            say("bcg: attention stays an eager break in every bucket: %s", self.reason)
+        """The buckets whose attention stays inside the graph: every bucket for ``"graph"`` where
+        the runner allows it, none for ``"auto"`` (the path is experimental on SGLang)."""
+        if attention != "graph":
+            logger.info("bcg: attention stays an eager break in every bucket: on SGLang, attention inside the "
+                        "graph is experimental and taken only with attention \"graph\" (BCG_ATTENTION=graph)")
             return None
-        chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= AUTO_GRAPH_ATTENTION_TOKENS]
-        if not chosen:
+        if self.reason is not None:
+            logger.warning("bcg: attention stays an eager break in every bucket: %s", self.reason)
+            return None
+        if not buckets:
             return None
         if self.slots is None:
-            top = max(chosen)
+            top = max(buckets)
             r = request_slots(self.model_runner, self.chunk, top)
             backend = self.model_runner.attn_backend
             if backend.full_cg_prefill_wrappers is None:
@@ -154,7 +154,7 @@ class GraphAttention:
                 self.reason = "the backend's full prefill wrappers were made for another request count"
                 return self.choose(buckets, attention)
             self.slots = RequestSlots(r, self.device)
-            self.buckets = chosen
+            self.buckets = list(buckets)
         return list(self.buckets)
 
     @property
