@@ -47,15 +47,14 @@ def flashinfer_backend(**attrs):
     return backend
 
 
-def model_runner(backend=None, *, pool_rows=256, context_len=4096, max_req=None, is_generation=True, **server):
+def model_runner(backend=None, *, pool_rows=256, context_len=4096, max_req=None, is_generation=True, counter=None):
     prefill = types.SimpleNamespace(full_prefill_max_req=max_req)
     return types.SimpleNamespace(
         attn_backend=backend if backend is not None else flashinfer_backend(),
         req_to_token_pool=types.SimpleNamespace(size=pool_rows),
         model_config=types.SimpleNamespace(context_len=context_len, is_generation=is_generation),
-        server_args=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(prefill=prefill),
-                                          multi_item_scoring_delimiter=server.get("delimiter")),
-        token_to_kv_pool=types.SimpleNamespace(layer_transfer_counter=server.get("counter")),
+        server_args=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(prefill=prefill)),
+        token_to_kv_pool=types.SimpleNamespace(layer_transfer_counter=counter),
     )
 
 
@@ -85,7 +84,8 @@ def test_other_backends_are_declined_by_their_class():
     (lambda: model_runner(flashinfer_backend(prefill_uses_dequant_workspace=True)), None, "dequantizing"),
     (lambda: model_runner(flashinfer_backend(skip_prefill=True)), None, "without prefill wrappers"),
     (lambda: model_runner(is_generation=False), None, "embedding"),
-    (lambda: model_runner(delimiter=128), None, "multi-item scoring"),
+    (lambda: model_runner(flashinfer_backend(enable_mis=True)), None, "multi-item scoring"),
+    (lambda: model_runner(flashinfer_backend(full_cg_prefill_wrappers=["theirs"])), None, "made by another runner"),
     (lambda: model_runner(flashinfer_backend(token_to_kv_pool=types.SimpleNamespace(requires_physical_write_loc=True))),
      None, "translates cache slots"),
 ])
@@ -107,6 +107,8 @@ def test_request_slots_follow_sglangs_setting_else_its_rule_raised_to_the_minimu
     assert ga.request_slots(model_runner(max_req=24), chunk=8192, top=1024) == 24
     assert ga.request_slots(model_runner(), chunk=1024, top=1024) == ga.MIN_REQUEST_SLOTS  # 1024 // 512 = 2
     assert ga.request_slots(model_runner(), chunk=65536, top=1024) == 128
+    # no more requests than the top bucket's rows (flashinfer's workspace is sized for that at most)
+    assert ga.request_slots(model_runner(), chunk=8192, top=32) == 32
     assert ga.request_slots(model_runner(pool_rows=10), chunk=8192, top=1024) == 10  # the pool's rows
     # the capture batch of the top bucket needs ceil(1024 / 16) requests of 16 tokens
     assert ga.request_slots(model_runner(pool_rows=10, context_len=16), chunk=8192, top=1024) == 64
@@ -117,7 +119,8 @@ def batch(seq_lens, prefix_lens):
     prefix = torch.tensor(prefix_lens)
     return types.SimpleNamespace(
         batch_size=len(seq_lens), seq_lens=seq, seq_lens_cpu=seq.clone(), extend_prefix_lens=prefix,
-        extend_seq_lens=seq - prefix, req_pool_indices=torch.arange(3, 3 + len(seq_lens)), seq_lens_sum=int(seq.sum()))
+        extend_seq_lens=seq - prefix, req_pool_indices=torch.arange(3, 3 + len(seq_lens)), seq_lens_sum=int(seq.sum()),
+        forward_mode="extend")
 
 
 def test_the_padded_view_lands_the_requests_before_zero_length_ones_and_leaves_the_batch_alone():
@@ -162,11 +165,16 @@ def test_the_wrappers_are_made_once_for_the_largest_graph_bucket_and_the_request
     assert graph.request_slots == 8
 
 
-def test_wrappers_made_for_another_request_count_are_not_reused(caplog):
-    runner = model_runner(flashinfer_backend(full_cg_prefill_wrappers=["theirs"], full_cg_prefill_req_slots=3), max_req=8)
-    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert ga.GraphAttention(runner, None, 8192, "cpu").choose([16], "graph") is None
-    assert "another request count" in caplog.text
+def test_release_gives_back_what_bcg_made_and_a_later_capture_makes_it_again():
+    runner = model_runner(max_req=8)
+    backend = runner.attn_backend
+    backend.full_cg_prefill_workspace_buffer = "workspace"
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16, 64], "graph")
+    graph.release()
+    assert backend.full_cg_prefill_wrappers is None and backend.full_cg_prefill_workspace_buffer is None
+    assert graph.request_slots == 0 and not graph.fits(batch([1], [0]))
+    assert graph.choose([16, 64], "graph") == [16, 64] and backend.made == [(8, 64), (8, 64)]
 
 
 def test_a_declined_runner_says_why_in_a_warning(caplog):
@@ -255,3 +263,77 @@ def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="auto")).startswith("an eager break in every bucket")
     assert "BCG_ATTENTION=graph" in attention_scope(BcgConfig(attention="auto"))
     assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")
+
+
+# -- parity with SGLang's own full prefill graphs ------------------------------------------------
+
+
+def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
+    """SGLang's own replay (``PrefillCudaGraphRunner._prepare_forward_metadata_for_replay`` under its
+    full backend, its request buffers filled as its ``load_batch`` fills them) and bcg's
+    :meth:`RequestSlots.padded_view` hand the plan the same batch, field by field."""
+    import inspect
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    r, fb = 8, batch([9, 7, 5], [2, 0, 1])
+    fb.req_pool_indices_cpu = fb.req_pool_indices.clone()
+    fb._pad_tensor_to_size = types.MethodType(ForwardBatch._pad_tensor_to_size, fb)
+    fb.max_seq_len_override, fb.input_ids = None, torch.zeros(21, dtype=torch.int64)
+    planned = []
+    backend = types.SimpleNamespace(init_forward_metadata_out_graph=planned.append,
+                                    resolve_prefill_shared_read_ends=lambda *a, **k: None)
+    bs = fb.batch_size
+    static = {name: torch.zeros(16, dtype=torch.int64) for name in
+              ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "extend_start_loc", "req_pool_indices",
+               "orig_seq_lens")}
+    for name in ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "req_pool_indices"):
+        static[name][:bs] = getattr(fb, name)  # load_batch: the live values, then zero-length sentinels
+    theirs = types.SimpleNamespace(
+        model_runner=types.SimpleNamespace(attn_backend=backend), _is_full_backend=True, _capture_req_slots=r,
+        _prefill_static_buffers=static, _full_cg_seq_lens_cpu=torch.zeros(r, dtype=torch.int64),
+        use_captured_attn_metadata=False)
+    static_fb = types.SimpleNamespace(max_seq_len_override=None, input_ids=fb.input_ids)
+    params = list(inspect.signature(PrefillCudaGraphRunner._prepare_forward_metadata_for_replay).parameters)
+    shape = types.SimpleNamespace(size=16)  # 0.5.23 passes a shape key, earlier releases the token count
+    PrefillCudaGraphRunner._prepare_forward_metadata_for_replay(theirs, fb, static_fb, *[shape] * (len(params) - 3))
+    [sglang_view] = planned
+    ours = ga.RequestSlots(r, "cpu").padded_view(fb)
+    assert ours.batch_size == sglang_view.batch_size == r
+    compared = ["seq_lens", "seq_lens_cpu", "req_pool_indices", "extend_seq_lens", "extend_prefix_lens"]
+    if sglang_view.req_pool_indices_cpu is not fb.req_pool_indices_cpu:  # padded too from SGLang 0.5.23
+        compared.append("req_pool_indices_cpu")
+    for name in compared:
+        assert getattr(ours, name).tolist() == getattr(sglang_view, name).tolist(), name
+    assert ours.seq_lens_sum == sglang_view.seq_lens_sum and ours.forward_mode is sglang_view.forward_mode
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(monkeypatch, captured):
+    import contextlib
+
+    import sglang.srt.distributed.parallel_state as parallel_state
+
+    from bcg_plugin.adapters.sglang import replay
+
+    class Core:
+        def __init__(self, *args, **kwargs):
+            self.captured, self.buckets, self.stats = False, [16], None
+
+        def capture(self, progress):
+            self.captured = captured
+
+    released = []
+    monkeypatch.setattr(replay, "PrefillGraphRunner", Core)
+    monkeypatch.setattr(replay, "plugin_manager", lambda host: None)
+    monkeypatch.setattr(replay, "step_token_limit", lambda runner, log=False: 16)
+    monkeypatch.setattr(replay, "prefill_graph_config", lambda runner: types.SimpleNamespace(bs=[16]))
+    monkeypatch.setattr(replay, "stats_reporter", lambda stats, server_args: None)
+    monkeypatch.setattr(replay, "tp_group", lambda runner: types.SimpleNamespace(barrier=lambda: None))
+    monkeypatch.setattr(replay, "_first_tp_rank", lambda runner: False)
+    monkeypatch.setattr(replay, "_breakable_capture_flag", contextlib.nullcontext)
+    monkeypatch.setattr(parallel_state, "graph_capture", lambda: contextlib.nullcontext(types.SimpleNamespace(stream=None)))
+    host = types.SimpleNamespace(graph=types.SimpleNamespace(release=lambda: released.append(True)))
+    BcgPrefillRunner(types.SimpleNamespace(server_args=None), BcgConfig(enable=True), host)
+    assert released == ([] if captured else [True])

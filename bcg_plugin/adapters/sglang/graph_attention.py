@@ -54,8 +54,10 @@ def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
         return "a backend without prefill wrappers"
     if not getattr(model_runner.model_config, "is_generation", True):
         return "an embedding or encoder-only model"
-    if getattr(model_runner.server_args, "multi_item_scoring_delimiter", None) is not None:
+    if getattr(backend, "enable_mis", False):
         return "multi-item scoring (its masks are planned per forward)"
+    if getattr(backend, "full_cg_prefill_wrappers", None) is not None:
+        return "the backend's full prefill wrappers were made by another runner"
     pool = getattr(backend, "token_to_kv_pool", None)
     if getattr(pool, "requires_physical_write_loc", False):
         return "a KV pool that translates cache slots per forward"
@@ -66,14 +68,16 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     """``r``: the requests one graph-attention step may hold.
 
     SGLang's ``full_prefill_max_req`` where the operator set it, else its rule (chunk / 512) raised
-    to :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows, and at least the requests the
-    ``top`` bucket's capture batch needs at ``context_len`` tokens each.
+    to :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows and ``top`` (a step holds no more
+    requests than tokens, and flashinfer sizes its graph workspace for at most one request per
+    row), and at least the requests the ``top`` bucket's capture batch needs at ``context_len``
+    tokens each.
     """
     from bcg_plugin.adapters.sglang.replay import prefill_graph_config
 
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
     r = int(configured) if configured else max((chunk or 0) // 512, MIN_REQUEST_SLOTS)
-    r = min(r, int(model_runner.req_to_token_pool.size))
+    r = min(r, int(model_runner.req_to_token_pool.size), top)
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
 
 
@@ -130,6 +134,7 @@ class GraphAttention:
         self.chunk = chunk
         self.buckets: list[int] = []
         self.slots: RequestSlots | None = None
+        self._made_wrappers = False
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
         """The buckets whose attention stays inside the graph: every bucket for ``"graph"`` where
@@ -147,15 +152,25 @@ class GraphAttention:
             top = max(buckets)
             r = request_slots(self.model_runner, self.chunk, top)
             backend = self.model_runner.attn_backend
-            if backend.full_cg_prefill_wrappers is None:
-                # Sized for the largest graph bucket and r requests, as SGLang sizes its own.
-                backend.full_cg_prefill_wrappers = backend._create_full_cg_prefill_wrappers(r, top)
-            elif backend.full_cg_prefill_req_slots != r:
-                self.reason = "the backend's full prefill wrappers were made for another request count"
-                return self.choose(buckets, attention)
+            # Sized for the largest graph bucket and r requests, as SGLang sizes its own.
+            backend.full_cg_prefill_wrappers = backend._create_full_cg_prefill_wrappers(r, top)
+            self._made_wrappers = True
             self.slots = RequestSlots(r, self.device)
             self.buckets = list(buckets)
         return list(self.buckets)
+
+    def release(self) -> None:
+        """Give back the wrappers, their workspace and the request slots made for graph buckets:
+        after a failed capture the runner serves eagerly, and they would only hold device memory."""
+        if self._made_wrappers:
+            backend = self.model_runner.attn_backend
+            for name in ("full_cg_prefill_wrappers", "full_cg_prefill_workspace_buffer", "full_cg_prefill_qo_indptr",
+                         "full_cg_prefill_kv_indptr", "full_cg_prefill_kv_indices"):
+                if hasattr(backend, name):
+                    setattr(backend, name, None)
+            self._made_wrappers = False
+        self.slots = None
+        self.buckets = []
 
     @property
     def request_slots(self) -> int:

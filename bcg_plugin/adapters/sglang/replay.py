@@ -64,6 +64,8 @@ class BcgPrefillRunner:
             with _breakable_capture_flag():
                 self.core.capture(progress=_first_tp_rank(model_runner))
         host.capture_stream = None
+        if not self.core.captured:  # every rank prefills eagerly: nothing will plan into them
+            host.graph.release()
         if self.core.captured:
             # SGLang's DP MAX_LEN padding compares against this list: keep it equal to bcg's ladder.
             prefill.bs = list(self.core.buckets)
@@ -234,6 +236,7 @@ class BcgPrefillRunner:
 
     def close(self) -> None:
         self.core.close()
+        self.host.graph.release()
 
 
 def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
