@@ -38,7 +38,9 @@ ENGINES = {
              "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
                        "bcg_graph", "bcg_compile", "bcg_compile_graph"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
-               "modes": ["disabled", "native", "full", "bcg"],
+               "modes": ["disabled", "native", "full", "bcg", "bcg_graph"],
+               # bcg_graph needs --attention-backend flashinfer (experimental): not run unless named.
+               "default_modes": ["disabled", "native", "full", "bcg"],
                # Every mode of a run uses one: SGLang's full prefill graphs need a backend that can
                # capture plain extend batches (0.5.23's triton backend cannot; flashinfer and fa3 can).
                "attention_backends": ["triton", "flashinfer", "fa3"]},

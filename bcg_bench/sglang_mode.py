@@ -2,7 +2,8 @@
 
 Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its CUDA default),
 ``full`` (SGLang's full prefill graphs, attention inside the graph), ``tc_piecewise`` (torch.compile
-piecewise graphs; SGLang removed it in 0.5.22) and ``bcg``. Per N: the median end-to-end
+piecewise graphs; SGLang removed it in 0.5.22), ``bcg`` and ``bcg_graph`` (bcg with attention inside
+its graphs in every bucket, ``BCG_ATTENTION=graph``: flashinfer only, experimental). Per N: the median end-to-end
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
 and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
@@ -10,7 +11,8 @@ and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forw
 schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); so does
 ``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
 A ``bcg`` engine in which some scheduler's capture record shows SGLang's own runner, or bcg's with no
-bucket captured, ends the process with one line before any request: its figures would be SGLang's.
+bucket captured, ends the process with one line before any request: its figures would be SGLang's;
+so does a ``bcg_graph`` engine whose buckets all kept attention an eager break: they would be ``bcg``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV
 
-MODES = {"disabled": "disabled", "native": "breakable", "full": "full", "tc_piecewise": "tc_piecewise", "bcg": "bcg"}
+MODES = {"disabled": "disabled", "native": "breakable", "full": "full", "tc_piecewise": "tc_piecewise", "bcg": "bcg",
+         "bcg_graph": "bcg"}
+# bcg's ``attention`` setting per bcg mode (the environment its schedulers inherit).
+ATTENTION = {"bcg": "auto", "bcg_graph": "graph"}
 # Modes an SGLang release no longer has: (first release without it, what to run instead).
 RETIRED = {"tc_piecewise": ("0.5.22", "full or native")}
 
@@ -49,9 +54,10 @@ def mode_problem(mode: str, installed: str | None) -> str | None:
     return f"mode {mode!r}: SGLang removed it in {gone} (installed: {installed}); run {instead}"
 
 
-def bcg_problem(captures: list[dict]) -> str | None:
+def bcg_problem(captures: list[dict], graph: bool = False) -> str | None:
     """Why a ``bcg`` engine's figures would not be bcg's (``captures``: its schedulers' capture
-    records), or ``None``: every scheduler must have built bcg's runner and captured a bucket."""
+    records), or ``None``: every scheduler must have built bcg's runner and captured a bucket, and
+    with ``graph`` kept attention inside the graph in at least one."""
     if not captures:
         return "no scheduler recorded a prefill-graph capture, so bcg's runner never ran"
     for c in captures:
@@ -59,6 +65,9 @@ def bcg_problem(captures: list[dict]) -> str | None:
             what = f"SGLang's own prefill runner ({c.get('runner')}) was built"
         elif c["bcg_buckets"] == 0:
             what = "bcg's runner captured no bucket"
+        elif graph and not c.get("bcg_graph_attention_buckets"):
+            return (f"on rank {c.get('rank', 0)} every bucket kept attention an eager break, so the figures would "
+                    "be bcg's with attention breaking; the scheduler log's 'bcg' warning says why")
         else:
             continue
         return (f"on rank {c.get('rank', 0)} {what}, so the figures would be SGLang's without bcg; the "
@@ -95,6 +104,8 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
     from bcg_bench.models import model_dir
 
     chunk = max(max(sizes), 16)
+    if mode in ATTENTION:  # this process runs one mode: its schedulers inherit the setting
+        os.environ["BCG_ATTENTION"] = ATTENTION[mode]
     t0 = time.perf_counter()
     engine = sglang_timers.start_engine(
         record,
@@ -111,7 +122,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         enable_dp_attention=dp > 1,
     )
     init_s = time.perf_counter() - t0
-    problem = bcg_problem(_records(record, "capture")) if mode == "bcg" else None
+    problem = bcg_problem(_records(record, "capture"), graph=mode == "bcg_graph") if mode in ATTENTION else None
     if problem is not None:  # the schedulers wrote their capture records before the engine came up
         engine.shutdown()
         raise SystemExit(f"bench {mode}: {problem}")

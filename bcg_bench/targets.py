@@ -115,16 +115,27 @@ def _vllm_targets(mode: str) -> list[Target]:
     return targets
 
 
-CONFIGURATIONS: dict[str, dict[str, str]] = {"vllm": VLLM_CONFIGURATIONS}
+# The SGLang adapter's configurations: ``bcg`` (attention an eager break, the default) and
+# ``bcg_graph`` (attention inside the graph in every bucket, experimental).
+SGLANG_CONFIGURATIONS = {"bcg": "attention an eager break", "bcg_graph": "BCG_ATTENTION=graph, experimental"}
+
+
+def _sglang_targets(mode: str) -> list[Target]:
+    return [
+        Target(f"{mode} / native (e2e, N <= 512)", 0.9, lambda m: _paired_worst(m, mode, "native", SMALL_N),
+               subject=mode),
+        Target(f"{mode} / native (e2e, every N)", 1.0, lambda m: _paired_worst(m, mode, "native"), subject=mode),
+        Target(f"{mode} / full (e2e, every N)", 1.0, lambda m: _paired_worst(m, mode, "full"), subject=mode),
+        Target(f"{mode} / native (capture seconds)", 1.0, lambda m: _scalar_ratio(m, "capture_s", mode, "native"),
+               subject=mode),
+    ]
+
+
+CONFIGURATIONS: dict[str, dict[str, str]] = {"vllm": VLLM_CONFIGURATIONS, "sglang": SGLANG_CONFIGURATIONS}
 
 TARGETS: dict[str, list[Target]] = {
     "vllm": [t for mode in VLLM_CONFIGURATIONS for t in _vllm_targets(mode)],
-    "sglang": [
-        Target("bcg / native (e2e, N <= 512)", 0.9, lambda m: _paired_worst(m, "bcg", "native", SMALL_N)),
-        Target("bcg / native (e2e, every N)", 1.0, lambda m: _paired_worst(m, "bcg", "native")),
-        Target("bcg / full (e2e, every N)", 1.0, lambda m: _paired_worst(m, "bcg", "full")),
-        Target("bcg / native (capture seconds)", 1.0, lambda m: _scalar_ratio(m, "capture_s", "bcg", "native")),
-    ],
+    "sglang": [t for mode in SGLANG_CONFIGURATIONS for t in _sglang_targets(mode)],
 }
 
 FIGURES = (f"Latency figures: the worst N of the median over rounds of per-round paired ratios (at least "

@@ -111,11 +111,13 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
 
 
-def _capture_result(runner: str, buckets: int | None):
-    """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats) or SGLang's own."""
+def _capture_result(runner: str, buckets: int | None, graph_attention=()):
+    """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats and the buckets
+    keeping attention inside the graph) or SGLang's own."""
     stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
                                   buckets_captured=buckets)
-    attrs = {} if buckets is None else {"core": types.SimpleNamespace(stats=stats, graph_attention=frozenset())}
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention))
+    attrs = {} if buckets is None else {"core": core}
     return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
 
 
@@ -126,6 +128,8 @@ def _capture_result(runner: str, buckets: int | None):
     ("bcg", [("BcgPrefillRunner", 0)], "bcg's runner captured no bucket"),
     ("bcg", [("BcgPrefillRunner", 56), ("PrefillCudaGraphRunner", None)], "own prefill runner"),  # one rank of two
     ("native", [("PrefillCudaGraphRunner", None)], None),
+    ("bcg_graph", [("BcgPrefillRunner", 56, [16, 32])], None),
+    ("bcg_graph", [("BcgPrefillRunner", 56)], "every bucket kept attention an eager break"),
 ])
 def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sglang(monkeypatch, tmp_path, mode,
                                                                                      captured, problem):
@@ -142,20 +146,25 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
         def shutdown(self):
             shut.append(True)
 
+    attention = []
+
     def start_engine(record, **kwargs):
+        attention.append(os.environ.get("BCG_ATTENTION"))  # what the schedulers would inherit
         monkeypatch.setenv(sglang_timers.RECORD_ENV, str(record))  # as in each scheduler
-        for runner, buckets in captured:
-            sglang_timers.after_capture_prefill_graph(_capture_result(runner, buckets))
+        for runner, *figures in captured:
+            sglang_timers.after_capture_prefill_graph(_capture_result(runner, *figures))
         return FakeEngine()
 
     monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("BCG_ATTENTION", "break")  # restored after the test; a bcg mode sets its own
     if problem is None:
         assert sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)["mode"] == mode
     else:
-        with pytest.raises(SystemExit, match=f"bench bcg: on rank 0 .*{problem}|bench bcg: {problem}"):
+        with pytest.raises(SystemExit, match=f"bench {mode}: on rank 0 .*{problem}|bench {mode}: {problem}"):
             sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
     assert shut == [True]  # the engine ends either way
+    assert attention == [{"bcg": "auto", "bcg_graph": "graph"}.get(mode, "break")]
     assert not list(tmp_path.glob("bcg-sglang-bench-*"))  # nor does the schedulers' record folder outlive it
 
 
