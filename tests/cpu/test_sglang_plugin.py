@@ -283,11 +283,12 @@ def test_vote_accepts_mixed_and_prefix_batches_and_rejects_uncaptured_features()
     assert not vote(uncaptured)
 
 
-def fake_batch(n, across=None, agreed=True):
+def fake_batch(n, across=None, agreed=True, requests=1):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
 
     return types.SimpleNamespace(
-        batch_size=1, input_ids=[0] * n, input_embeds=None, replace_embeds=None, extend_prefix_lens_cpu=[0],
+        batch_size=requests, input_ids=[0] * n, input_embeds=None, replace_embeds=None,
+        extend_prefix_lens_cpu=[0] * requests,
         forward_mode=ForwardMode.EXTEND, capture_hidden_mode=CaptureHiddenMode.NULL, return_logprob=False,
         global_num_tokens_cpu=across, **{DP_VOTE: agreed},
     )
@@ -307,6 +308,19 @@ def test_dp_ranks_replay_together_or_not_at_all():
     assert r.core.stats.fallbacks["dp_disagreement"] == 2
     assert not r.can_run_graph(fake_batch(65))
     assert r.core.stats.fallbacks["over_top_bucket"] == 1
+
+
+def test_a_step_with_more_requests_than_a_graph_buckets_slots_runs_eagerly_and_is_counted():
+    from bcg_plugin.adapters.sglang import graph_attention
+
+    r = vote_runner()
+    r.core.graph_attention = frozenset({16})
+    r.host.graph = graph_attention.GraphAttention.__new__(graph_attention.GraphAttention)
+    r.host.graph.slots = graph_attention.RequestSlots(2, "cpu")
+    assert r.can_run_graph(fake_batch(12, requests=2)) and r._planned[1] == 16
+    assert not r.can_run_graph(fake_batch(12, requests=3))
+    assert r.core.stats.fallbacks["feature_not_captured"] == 1
+    assert r.can_run_graph(fake_batch(30, requests=3)) and r._planned[1] == 32  # a breaking bucket takes any count
 
 
 def test_a_dp_width_other_than_the_captured_one_runs_eagerly():

@@ -64,11 +64,11 @@ class BcgPrefillRunner:
             with _breakable_capture_flag():
                 self.core.capture(progress=_first_tp_rank(model_runner))
         host.capture_stream = None
-        if not self.core.captured:  # every rank prefills eagerly: nothing will plan into them
-            host.graph.release()
         if self.core.captured:
             # SGLang's DP MAX_LEN padding compares against this list: keep it equal to bcg's ladder.
             prefill.bs = list(self.core.buckets)
+        else:  # every rank prefills eagerly: nothing will plan into graph attention's wrappers
+            host.graph.release()
 
     # -- SGLang's runner interface -------------------------------------------------------------
 
