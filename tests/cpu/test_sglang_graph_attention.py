@@ -155,6 +155,13 @@ def test_graph_keeps_attention_inside_every_bucket_and_auto_none(caplog):
     assert "experimental" in caplog.text and runner.attn_backend.made == []  # nothing allocated
 
 
+def test_the_opt_in_is_mentioned_only_where_graph_would_be_taken(caplog):
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert ga.GraphAttention(model_runner(), 1, 8192, "cpu").choose([16], "auto") is None  # DP: declined
+        assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose([16], "break") is None
+    assert caplog.text == ""
+
+
 def test_the_wrappers_are_made_once_for_the_largest_graph_bucket_and_the_request_slots():
     runner = model_runner(max_req=8)
     graph = ga.GraphAttention(runner, None, 8192, "cpu")

@@ -140,8 +140,10 @@ class GraphAttention:
         """The buckets whose attention stays inside the graph: every bucket for ``"graph"`` where
         the runner allows it, none for ``"auto"`` (the path is experimental on SGLang)."""
         if attention != "graph":
-            logger.info("bcg: attention stays an eager break in every bucket: on SGLang, attention inside the "
-                        "graph is experimental and taken only with attention \"graph\" (BCG_ATTENTION=graph)")
+            # Said only where "graph" would be taken: on other backends the break is all there is.
+            if attention == "auto" and self.reason is None:
+                logger.info("bcg: attention stays an eager break in every bucket: on SGLang, attention inside the "
+                            "graph is experimental and taken only with attention \"graph\" (BCG_ATTENTION=graph)")
             return None
         if self.reason is not None:
             logger.warning("bcg: attention stays an eager break in every bucket: %s", self.reason)
