@@ -122,6 +122,8 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         # bcg's runner is built before it captures; one whose capture failed serves eagerly.
         "bcg_buckets": core.stats.buckets_captured if core is not None else None,
         "bcg_graph_attention_buckets": sorted(core.graph_attention) if core is not None else None,
+        # Layers whose KV-cache store the capture put in the segment before their break.
+        "bcg_store_in_graph_layers": len(runner.host.stored_in_graph) if core is not None else None,
     })
     return None
 

@@ -98,7 +98,8 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5,
                                   buckets_captured=56)
     core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({64, 16}))
-    bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": core})(),
+    host = types.SimpleNamespace(stored_in_graph={0, 1, 2})
+    bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": core, "host": host})(),
                                 memory_usage_gb=0.75, capture_time=2.0)
     native = types.SimpleNamespace(runner=type("PrefillCudaGraphRunner", (), {})(), memory_usage_gb=0.25,
                                    capture_time=1.0)
@@ -107,7 +108,7 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     first, second = (json.loads(line) for line in path.read_text().splitlines())
     assert first == {"kind": "capture", "rank": 0, "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
                      "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
-                     "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64]}
+                     "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64], "bcg_store_in_graph_layers": 3}
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
 
 
@@ -117,7 +118,7 @@ def _capture_result(runner: str, buckets: int | None, graph_attention=()):
     stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
                                   buckets_captured=buckets)
     core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention))
-    attrs = {} if buckets is None else {"core": core}
+    attrs = {} if buckets is None else {"core": core, "host": types.SimpleNamespace(stored_in_graph=set())}
     return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
 
 

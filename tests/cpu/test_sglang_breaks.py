@@ -235,7 +235,7 @@ def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only
     with live.bound(batch):
         attention.captured_then_break(q, k, v, out, True, 0)
     backend = batch.payload.attn_backend
-    assert backend.forward.saved == [False]
+    assert backend.forward.saved == [False] and batch.payload.stored_in_graph == {0}
     cache = pool.k_buffer[0]
     assert torch.equal(cache[40:45], k[:5]) and torch.equal(pool.v_buffer[0][40:45], v[:5])
     assert not cache[1:40].any() and not cache[45:].any()  # nothing else but the padding slot 0
@@ -253,7 +253,7 @@ def test_a_store_that_reads_per_forward_state_stays_in_the_break(change):
     batch, pool, q, k, v = _triton_capture(**change)
     with live.bound(batch):
         attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
-    assert batch.payload.attn_backend.forward.saved == [True]
+    assert batch.payload.attn_backend.forward.saved == [True] and batch.payload.stored_in_graph == set()
 
 
 class _OtherBackend:

@@ -214,6 +214,7 @@ def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
     runner.attn_backend.init_forward_metadata = lambda fb: captured.append("eager")
     host = SglangHost.__new__(SglangHost)
     host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
+    host.stored_in_graph = set()
     host.graph = ga.GraphAttention(runner, None, 8192, host.device)
     assert host.bcg_graph_attention([256], "graph") == [256]
     fb = host.bcg_dummy_batch(256, graph_attention=True).payload.forward_batch
@@ -280,31 +281,64 @@ def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
     assert ours.seq_lens_sum == sglang_view.seq_lens_sum and ours.forward_mode is sglang_view.forward_mode
 
 
-@pytest.mark.parametrize("captured", [False, True])
-def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(monkeypatch, captured):
+def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), graph=(), layers=28):
+    """bcg's SGLang runner around a core whose capture succeeds or not and stores the KV cache of
+    ``stored`` layers in the segment; returns the host's releases of graph attention."""
     import contextlib
 
     import sglang.srt.distributed.parallel_state as parallel_state
 
     from bcg_plugin.adapters.sglang import replay
 
+    host = types.SimpleNamespace(stored_in_graph={99}, released=[])  # a layer left from an earlier capture
+    host.graph = types.SimpleNamespace(release=lambda: host.released.append(True))
+
     class Core:
         def __init__(self, *args, **kwargs):
-            self.captured, self.buckets, self.stats = False, [16], None
+            self.captured, self.buckets, self.stats, self.graph_attention = False, [16, 32], None, frozenset(graph)
 
         def capture(self, progress):
+            host.stored_in_graph.update(stored)
             self.captured = captured
 
-    released = []
     monkeypatch.setattr(replay, "PrefillGraphRunner", Core)
     monkeypatch.setattr(replay, "plugin_manager", lambda host: None)
     monkeypatch.setattr(replay, "step_token_limit", lambda runner, log=False: 16)
     monkeypatch.setattr(replay, "prefill_graph_config", lambda runner: types.SimpleNamespace(bs=[16]))
     monkeypatch.setattr(replay, "stats_reporter", lambda stats, server_args: None)
     monkeypatch.setattr(replay, "tp_group", lambda runner: types.SimpleNamespace(barrier=lambda: None))
-    monkeypatch.setattr(replay, "_first_tp_rank", lambda runner: False)
+    monkeypatch.setattr(replay, "_first_tp_rank", lambda runner: first_rank)
     monkeypatch.setattr(replay, "_breakable_capture_flag", contextlib.nullcontext)
     monkeypatch.setattr(parallel_state, "graph_capture", lambda: contextlib.nullcontext(types.SimpleNamespace(stream=None)))
-    host = types.SimpleNamespace(graph=types.SimpleNamespace(release=lambda: released.append(True)))
-    BcgPrefillRunner(types.SimpleNamespace(server_args=None), BcgConfig(enable=True), host)
+    BcgPrefillRunner(types.SimpleNamespace(server_args=None, attention_layers=[None] * layers),
+                     BcgConfig(enable=True), host)
+    return host
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(monkeypatch, captured):
+    released = _capture_runner(monkeypatch, captured=captured).released
     assert released == ([] if captured else [True])
+
+
+@pytest.mark.parametrize("stored, graph, says", [
+    (range(28), (), "captured in the segment before each layer's break"),
+    ((), (), "in each layer's eager break"),
+    (range(4), (), "in 4 of 28 layers, in the break in the others"),
+    ((), (16, 32), "inside the graph with attention, in every bucket"),
+    ((), (16,), "in each layer's eager break, as SGLang stores it (captured in the segment only on the triton "
+                "backend with SGLang's plain MHA pool); inside the graph with attention in the 1 buckets"),
+])
+def test_after_its_capture_the_runner_says_where_the_kv_cache_store_runs(monkeypatch, caplog, stored, graph, says):
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        host = _capture_runner(monkeypatch, first_rank=True, stored=stored, graph=graph)
+    assert host.stored_in_graph == set(stored)  # this capture's layers only
+    [line] = [r.getMessage() for r in caplog.records if "KV-cache store" in r.getMessage()]
+    assert says in line
+
+
+def test_only_the_first_tp_rank_says_it_and_a_failed_capture_says_nothing(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        _capture_runner(monkeypatch, first_rank=False, stored=range(28))
+        _capture_runner(monkeypatch, first_rank=True, captured=False, stored=range(28))
+    assert "KV-cache store" not in caplog.text

@@ -407,6 +407,17 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
         assert inside == []
 
 
+def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
+    """triton's plain MHA pool: every layer's store captured in the segment before its break (what
+    the stale-store control makes stale); flashinfer: none, its store runs with its attention (in the
+    break, or inside the graph with attention there)."""
+    [capture] = [c for c in runs["bcg"]["captures"] if c["runner"] == "BcgPrefillRunner" and c["rank"] == 0]
+    layers = model_config()["num_hidden_layers"]
+    print(f"[bcg gpu] {ATTENTION_BACKEND}: KV-cache store in the segment in {capture['bcg_store_in_graph_layers']} "
+          f"of {layers} layers")
+    assert capture["bcg_store_in_graph_layers"] == (layers if ATTENTION_BACKEND == "triton" else 0)
+
+
 def compare(runs: dict, name: str) -> list[float]:
     """Every request's and probe's error of run ``name`` against the eager run, printed."""
     spread = runs["spread"]

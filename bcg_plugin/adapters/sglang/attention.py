@@ -35,12 +35,16 @@ class ForwardPass:
         attn_backend: the model runner's attention backend.
         attention_layers: ``layer_id -> RadixAttention`` as SGLang collected them.
         forward_kwargs: extra ``model.forward`` kwargs for the eager logits tail.
+        stored_in_graph: the layers whose KV-cache store a capture put in the segment before their
+            break (:func:`captured_then_break`); the host's own set, so it outlives the forward and
+            the capture summary can say where the store runs.
     """
 
     forward_batch: Any
     attn_backend: Any
     attention_layers: list[Any]
     forward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    stored_in_graph: set[int] = dataclasses.field(default_factory=set)
     # What every break of this forward narrows alike, worked out by its first break: the rows
     # attention sees, and the batch's cache slots and positions cut to them; keyed by what they were
     # cut from, since the capture swaps the bucket's static buffers into the batch.
@@ -149,6 +153,7 @@ def captured_then_break(query: torch.Tensor, key: torch.Tensor | None, value: to
         if stores_in_segment(fwd, layer_id, key.shape[0]):
             layer = fwd.attention_layers[layer_id]
             fwd.attn_backend.token_to_kv_pool.set_kv_buffer(layer, _write_loc(fwd.forward_batch), key, value)
+            fwd.stored_in_graph.add(layer_id)
             save_kv_cache = False
     return bcg_attention(query, key, value, output, save_kv_cache, layer_id, *args, **kwargs)
 

@@ -40,6 +40,7 @@ class SglangHost:
         # the dummy batch that brought them, as SGLang's own runner keeps its dummy batch.
         self._dp_counts: dict[int, torch.Tensor] = {}
         self.graph = GraphAttention(model_runner, self._dp, chunk, self.device)
+        self.stored_in_graph: set[int] = set()  # layers whose captured segment stores the KV cache
 
     @property
     def dp_ranks(self) -> int | None:
@@ -52,6 +53,7 @@ class SglangHost:
             attn_backend=self.model_runner.attn_backend,
             attention_layers=self.model_runner.attention_layers,
             forward_kwargs=forward_kwargs or {},
+            stored_in_graph=self.stored_in_graph,
         )
 
     # -- bcg hooks -----------------------------------------------------------------------------

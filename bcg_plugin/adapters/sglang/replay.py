@@ -59,6 +59,7 @@ class BcgPrefillRunner:
         self._unknown_kwargs_logged = False
         tp_group(model_runner).barrier()
         # SGLang's capture context: its stream, and custom all-reduce buffer registration for TP.
+        host.stored_in_graph.clear()
         with graph_capture() as ctx:
             host.capture_stream = ctx.stream
             with _breakable_capture_flag():
@@ -67,6 +68,9 @@ class BcgPrefillRunner:
         if self.core.captured:
             # SGLang's DP MAX_LEN padding compares against this list: keep it equal to bcg's ladder.
             prefill.bs = list(self.core.buckets)
+            if _first_tp_rank(model_runner):
+                logger.info("%s", store_summary(len(host.stored_in_graph), len(model_runner.attention_layers),
+                                                len(self.core.graph_attention), len(self.core.buckets)))
         else:  # every rank prefills eagerly: nothing will plan into graph attention's wrappers
             host.graph.release()
 
@@ -237,6 +241,25 @@ class BcgPrefillRunner:
     def close(self) -> None:
         self.core.close()
         self.host.graph.release()
+
+
+def store_summary(stored: int, layers: int, graph_buckets: int, buckets: int) -> str:
+    """Where the captured forward stores each layer's KV cache, as the line after bcg's capture
+    summary says it: ``stored`` of the model's ``layers`` store in the segment before their break
+    (:func:`~bcg_plugin.adapters.sglang.attention.stores_in_segment`); in ``graph_buckets`` of the
+    ``buckets`` attention, and its store with it, stays inside the graph."""
+    if buckets and graph_buckets == buckets:
+        return "bcg: KV-cache store inside the graph with attention, in every bucket"
+    if stored and stored == layers:
+        where = "captured in the segment before each layer's break"
+    elif stored:
+        where = f"captured in the segment before the break in {stored} of {layers} layers, in the break in the others"
+    else:
+        where = ("in each layer's eager break, as SGLang stores it (captured in the segment only on the triton "
+                 "backend with SGLang's plain MHA pool)")
+    if graph_buckets:
+        where += f"; inside the graph with attention in the {graph_buckets} buckets that keep attention there"
+    return f"bcg: KV-cache store {where}"
 
 
 def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
