@@ -258,7 +258,7 @@ def store_summary(stored: int, layers: int, graph_buckets: int, buckets: int) ->
         where = ("in each layer's eager break, as SGLang stores it (captured in the segment only on the triton "
                  "backend with SGLang's plain MHA pool)")
     if graph_buckets:
-        where += f"; inside the graph with attention in the {graph_buckets} buckets that keep attention there"
+        where += f"; inside the graph with attention in the {graph_buckets} of {buckets} buckets that keep attention there"
     return f"bcg: KV-cache store {where}"
 
 
