@@ -58,8 +58,8 @@ class BcgPrefillRunner:
         self._previous_replay: Any = None  # kept only for a fault plugin (bcg_plugin.faults)
         self._unknown_kwargs_logged = False
         tp_group(model_runner).barrier()
-        # SGLang's capture context: its stream, and custom all-reduce buffer registration for TP.
         host.stored_in_graph.clear()
+        # SGLang's capture context: its stream, and custom all-reduce buffer registration for TP.
         with graph_capture() as ctx:
             host.capture_stream = ctx.stream
             with _breakable_capture_flag():
