@@ -345,8 +345,12 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 
 
 def kept(name: str, run) -> dict:
-    """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there."""
-    chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + ("-graph" if GRAPH_ATTENTION else "")
+    """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there.
+
+    Eager engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on one
+    backend share them."""
+    graph = "-graph" if GRAPH_ATTENTION and not name.startswith("eager") else ""
+    chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + graph
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
         return json.loads(path.read_text())
