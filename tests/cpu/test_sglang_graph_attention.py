@@ -283,7 +283,8 @@ def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
 
 def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), graph=(), layers=28):
     """bcg's SGLang runner around a core whose capture succeeds or not and stores the KV cache of
-    ``stored`` layers in the segment; returns the host's releases of graph attention."""
+    ``stored`` layers in the segment; returns the host, its ``released`` list counting the releases of
+    graph attention."""
     import contextlib
 
     import sglang.srt.distributed.parallel_state as parallel_state

@@ -397,11 +397,17 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert problem is None, problem
 
 
+def bcg_capture(runs: dict) -> dict:
+    """The bcg engine's capture record of rank 0 (exactly one)."""
+    [capture] = [c for c in runs["bcg"]["captures"] if c["runner"] == "BcgPrefillRunner" and c["rank"] == 0]
+    return capture
+
+
 def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs):
     """flashinfer with ``BCG_ATTENTION=graph``: every bucket captured attention inside its graph, so
     the check below covers that path; otherwise none did (``auto`` breaks on SGLang, triton has no
     graph plan)."""
-    [capture] = [c for c in runs["bcg"]["captures"] if c["runner"] == "BcgPrefillRunner" and c["rank"] == 0]
+    capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
           f"{capture['bcg_buckets']} buckets")
@@ -415,7 +421,7 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
     """triton's plain MHA pool: every layer's store captured in the segment before its break (what
     the stale-store control makes stale); flashinfer: none, its store runs with its attention (in the
     break, or inside the graph with attention there)."""
-    [capture] = [c for c in runs["bcg"]["captures"] if c["runner"] == "BcgPrefillRunner" and c["rank"] == 0]
+    capture = bcg_capture(runs)
     layers = model_config()["num_hidden_layers"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: KV-cache store in the segment in {capture['bcg_store_in_graph_layers']} "
           f"of {layers} layers")
