@@ -183,8 +183,8 @@ def test_attention_restores_the_cache_slots_when_the_backend_raises():
 # -- the KV-cache store inside the captured segment ----------------------------------------------
 
 
-class _TritonAttention:
-    """What the break hands SGLang's triton backend: each call's ``save_kv_cache`` (kept, nothing
+class _ExtendAttention:
+    """What the break hands SGLang's extend backend: each call's ``save_kv_cache`` (kept, nothing
     stored), the output written."""
 
     def __init__(self) -> None:
@@ -197,21 +197,30 @@ class _TritonAttention:
         return out
 
 
-def _triton_capture(*, bucket=16, real=5, **changes):
-    """A capture-time forward on SGLang's own triton backend and MHA pool (CPU buffers; the backend's
-    kernels replaced by :class:`_TritonAttention`): the bucket's static slots hold ``real`` request
-    slots and SGLang's padding slot 0 after them. ``changes`` set attributes of
-    ``backend``/``pool``/``layer``/``metadata`` (``"layer.k_scale": 1.0``)."""
+def _backend_class(name):
+    if name == "flashinfer":
+        from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
+        return FlashInferAttnBackend
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    return TritonAttnBackend
+
+
+def _capture(backend_name="triton", *, bucket=16, real=5, **changes):
+    """A capture-time forward on one of SGLang's own extend backends (``"triton"`` or ``"flashinfer"``)
+    and its MHA pool (CPU buffers; the backend's kernels replaced by :class:`_ExtendAttention`): the
+    bucket's static slots hold ``real`` request slots and SGLang's padding slot 0 after them.
+    ``changes`` set attributes of ``backend``/``pool``/``layer``/``metadata`` (``"layer.k_scale": 1.0``)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=HEADS, head_dim=HEAD_DIM,
                             layer_num=1, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
-    backend = object.__new__(TritonAttnBackend)  # its __init__ wants a model runner; the break reads these
+    backend = object.__new__(_backend_class(backend_name))  # its __init__ wants a model runner; the break reads these
     backend.token_to_kv_pool, backend.dcp_size, backend.use_mla = pool, 1, False
+    backend.prefill_uses_dequant_workspace = False
     backend.forward_metadata = types.SimpleNamespace(swa_out_cache_loc=None, out_cache_loc_full_physical=None)
-    backend.forward = _TritonAttention()
-    layer = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None, is_cross_attention=False)
+    backend.forward = _ExtendAttention()
+    layer = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None, is_cross_attention=False,
+                                  attn_type=radix_attention.AttentionType.DECODER)
     owners = {"backend": backend, "pool": pool, "layer": layer, "metadata": backend.forward_metadata}
     for name, value in changes.items():
         owner, attr = name.split(".")
@@ -226,11 +235,12 @@ def _triton_capture(*, bucket=16, real=5, **changes):
     return live.LiveBatch(num_tokens=bucket, bucket=bucket, payload=fwd), pool, q, k, v
 
 
-def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only_attends():
-    """On the triton backend and SGLang's plain MHA pool the store runs in the captured segment,
-    through SGLang's own pool, on every row of the bucket: the request rows reach their slots, the
-    padded rows only SGLang's padding slot. The break is then told not to store again."""
-    batch, pool, q, k, v = _triton_capture()
+@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
+def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only_attends(backend_name):
+    """On the triton and flashinfer backends and SGLang's plain MHA pool the store runs in the
+    captured segment, through SGLang's own pool, on every row of the bucket: the request rows reach
+    their slots, the padded rows only SGLang's padding slot. The break is then told not to store again."""
+    batch, pool, q, k, v = _capture(backend_name)
     out = torch.zeros(16, WIDTH)
     with live.bound(batch):
         attention.captured_then_break(q, k, v, out, True, 0)
@@ -241,6 +251,7 @@ def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only
     assert not cache[1:40].any() and not cache[45:].any()  # nothing else but the padding slot 0
 
 
+@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
 @pytest.mark.parametrize("change", [
     {"layer.k_scale": 1.0},  # scaled KV: the backend clones and scales before its store
     {"layer.is_cross_attention": True},  # stores at the encoder's slots
@@ -248,20 +259,23 @@ def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only
     {"metadata.out_cache_loc_full_physical": torch.zeros(16, dtype=torch.int64)},
     {"backend.dcp_size": 2},  # each rank stores its own tokens, masked per forward
     {"pool.quant_method": object()},  # a quantized KV cache (is_quantized_kv_cache)
+    {"backend.prefill_uses_dequant_workspace": True},  # flashinfer reads the new keys beside the cache
+    {"layer.attn_type": radix_attention.AttentionType.ENCODER_ONLY},  # flashinfer's ragged prefill does not store them
 ], ids=lambda change: next(iter(change)))
-def test_a_store_that_reads_per_forward_state_stays_in_the_break(change):
-    batch, pool, q, k, v = _triton_capture(**change)
+def test_a_store_that_reads_per_forward_state_stays_in_the_break(change, backend_name):
+    batch, pool, q, k, v = _capture(backend_name, **change)
     with live.bound(batch):
         attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
     assert batch.payload.attn_backend.forward.saved == [True] and batch.payload.stored_in_graph == set()
 
 
 class _OtherBackend:
-    """Not SGLang's triton backend, though it holds everything the store in the segment would read."""
+    """Neither SGLang's triton nor its flashinfer backend, though it holds everything the store in
+    the segment would read."""
 
 
 def test_other_backends_store_in_the_break():
-    batch, pool, q, k, v = _triton_capture()
+    batch, pool, q, k, v = _capture()
     triton = batch.payload.attn_backend
     other = _OtherBackend()
     other.__dict__.update(vars(triton))
@@ -274,7 +288,7 @@ def test_other_backends_store_in_the_break():
 
 def test_keys_of_another_row_count_than_the_slots_store_in_the_break():
     """SGLang's store takes one cache slot per key row; the segment stores only where they match."""
-    batch, pool, q, k, v = _triton_capture()
+    batch, pool, q, k, v = _capture()
     batch.payload.forward_batch.out_cache_loc = torch.zeros(20, dtype=torch.int64)
     with live.bound(batch):
         attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)

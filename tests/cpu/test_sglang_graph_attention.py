@@ -328,7 +328,7 @@ def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(
     (range(4), (), "in 4 of 28 layers, in the break in the others"),
     ((), (16, 32), "inside the graph with attention, in every bucket"),
     ((), (16,), "in each layer's eager break, as SGLang stores it (captured in the segment only on the triton "
-                "backend with SGLang's plain MHA pool); inside the graph with attention in the 1 of 2 buckets"),
+                "and flashinfer backends with SGLang's plain MHA pool); inside the graph with attention in the 1 of 2 buckets"),
 ])
 def test_after_its_capture_the_runner_says_where_the_kv_cache_store_runs(monkeypatch, caplog, stored, graph, says):
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):

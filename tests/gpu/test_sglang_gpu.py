@@ -27,7 +27,8 @@ at the slots of the bucket's capture (``stale_graph_metadata.py``): it must fail
 bcg's eager break). With flashinfer and ``BCG_ATTENTION=graph`` (``ci/gpu-tests.sh sglang-flashinfer``)
 attention stays inside bcg's graphs in every bucket, so there the controls' stale plan and stale
 store slots are read inside the graph. With flashinfer and ``BCG_ATTENTION=break``
-(``sglang-flashinfer-break``) attention breaks and the break stores the KV cache, so the stale-store
+(``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
+in the segment before it. On a backend whose break stores the KV cache (fa3) the stale-store
 control has nothing to make stale and is skipped.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
@@ -97,10 +98,11 @@ TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget betwe
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
 GRAPH_ATTENTION = ATTENTION_BACKEND == "flashinfer" and os.environ.get("BCG_ATTENTION") == "graph" and DP == 1
-# Where the captured graph stores the KV cache (triton's plain MHA pool: in the segment before the
-# break; attention inside the graph: in it); a flashinfer break stores it eagerly, as SGLang does,
-# so there is no captured store for the stale-store control to make stale.
-STORE_IN_GRAPH = ATTENTION_BACKEND == "triton" or GRAPH_ATTENTION
+# Where the captured graph stores the KV cache: on triton's and flashinfer's plain MHA pool, in the
+# segment before each break; with attention inside the graph, in it. Elsewhere (fa3) the break
+# stores it eagerly, as SGLang does, so there is no captured store for the stale-store control to make stale.
+SEGMENT_STORE = ATTENTION_BACKEND in ("triton", "flashinfer") and not GRAPH_ATTENTION
+STORE_IN_GRAPH = SEGMENT_STORE or GRAPH_ATTENTION
 RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in every scheduler
 
 
@@ -418,14 +420,14 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
-    """triton's plain MHA pool: every layer's store captured in the segment before its break (what
-    the stale-store control makes stale); flashinfer: none, its store runs with its attention (in the
-    break, or inside the graph with attention there)."""
+    """triton's and flashinfer's plain MHA pool with attention breaking: every layer's store captured
+    in the segment before its break (what the stale-store control makes stale); with attention
+    inside the graph none, the store runs there with attention."""
     capture = bcg_capture(runs)
     layers = model_config()["num_hidden_layers"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: KV-cache store in the segment in {capture['bcg_store_in_graph_layers']} "
           f"of {layers} layers")
-    assert capture["bcg_store_in_graph_layers"] == (layers if ATTENTION_BACKEND == "triton" else 0)
+    assert capture["bcg_store_in_graph_layers"] == (layers if SEGMENT_STORE else 0)
 
 
 def compare(runs: dict, name: str) -> list[float]:
@@ -470,8 +472,8 @@ def test_stale_replay_fails_the_same_check(runs):
 
 
 def test_stale_store_slots_fail_the_same_check(runs):
-    """Negative control of the KV-cache store inside the graph (triton: before the break; flashinfer:
-    inside the graph's attention): graphs that store
+    """Negative control of the KV-cache store inside the graph (before the break, or inside the
+    graph's attention): graphs that store
     the step's keys and values at the slots the bucket was captured with, not the step's, must be
     caught by the same check (the probes that reuse a cached prefix read what was never stored)."""
     if runs["stale_store"] is None:

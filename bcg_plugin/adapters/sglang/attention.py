@@ -143,8 +143,8 @@ def captured_then_break(query: torch.Tensor, key: torch.Tensor | None, value: to
 
     Key and value arrive as strided views of the fused QKV projection, and the extend backends copy
     them to contiguous tensors on every call: two launches per layer at every replay, which the
-    segment now does instead (the backend's own ``contiguous()`` is then a no-op). The store is
-    the backend's first step; in the segment it leaves the break only the attention kernel.
+    segment now does instead (the backend's own ``contiguous()`` is then a no-op). In the segment
+    the store leaves the break only the attention kernel.
     """
     key = None if key is None else key.contiguous()
     value = None if value is None else value.contiguous()
@@ -166,24 +166,31 @@ def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
     buffers: the slots are the bucket's static buffer (landed before every replay; padded and
     DP-padded rows hold SGLang's padding slot 0, which no request owns and the store kernel skips)
     and the buffers live as long as the pool (SGLang's own decode graphs hold the same addresses).
-    That is the triton backend on the plain MHA pool: no KV quantization or scales, no
-    sliding-window or unified pool (their write slots are planned per forward), no decode-context
-    parallelism, no cross-attention. Everything else stores in the break, as SGLang does.
+    That is the triton and flashinfer backends on the plain MHA pool: no KV quantization or scales,
+    no sliding-window or unified pool (their write slots are planned per forward), no decode-context
+    parallelism, no cross-attention, no flashinfer dequantizing workspace (it reads the new keys
+    beside the cache). flashinfer's ragged prefill stores after attention, but its attention reads
+    the new keys from the call and only the prefix from the cache, so storing first changes nothing.
+    Everything else stores in the break, as SGLang does.
     """
+    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     backend = fwd.attn_backend
     pool = getattr(backend, "token_to_kv_pool", None)
-    if type(backend) is not TritonAttnBackend or type(pool) is not MHATokenToKVPool:
+    if type(backend) not in (TritonAttnBackend, FlashInferAttnBackend) or type(pool) is not MHATokenToKVPool:
         return False
     if (getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "use_mla", False)
-            or getattr(backend, "use_dense_fp8_chunked_prefill", False)):
+            or getattr(backend, "use_dense_fp8_chunked_prefill", False)
+            or getattr(backend, "prefill_uses_dequant_workspace", False)):
         return False
     if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "requires_physical_write_loc", False):
         return False
     layer = fwd.attention_layers[layer_id]
-    if layer.k_scale is not None or layer.v_scale is not None or getattr(layer, "is_cross_attention", False):
+    if (layer.k_scale is not None or layer.v_scale is not None or getattr(layer, "is_cross_attention", False)
+            or getattr(layer, "attn_type", None) == AttentionType.ENCODER_ONLY):  # flashinfer skips their store
         return False
     metadata = getattr(backend, "forward_metadata", None)
     if any(getattr(metadata, name, None) is not None for name in ("swa_out_cache_loc", "out_cache_loc_full_physical")):
