@@ -169,8 +169,11 @@ def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
     That is the triton and flashinfer backends on the plain MHA pool: no KV quantization or scales,
     no sliding-window or unified pool (their write slots are planned per forward), no decode-context
     parallelism, no cross-attention, no flashinfer dequantizing workspace (it reads the new keys
-    beside the cache). flashinfer's ragged prefill stores after attention, but its attention reads
-    the new keys from the call and only the prefix from the cache, so storing first changes nothing.
+    beside the cache). flashinfer's ragged prefill stores after attention, but with one wrapper per
+    layer its attention reads the new keys from the call and only the prefix from the cache, so
+    storing first changes nothing. With a second wrapper (sliding-window or cross attention) SGLang
+    before 0.5.23 plans the full-attention layers' cache pass over the new tokens too, so there the
+    store stays in the break.
     Everything else stores in the break, as SGLang does.
     """
     from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
@@ -184,7 +187,8 @@ def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
         return False
     if (getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "use_mla", False)
             or getattr(backend, "use_dense_fp8_chunked_prefill", False)
-            or getattr(backend, "prefill_uses_dequant_workspace", False)):
+            or getattr(backend, "prefill_uses_dequant_workspace", False)
+            or getattr(backend, "dispatch_reason", None) is not None):  # flashinfer's second wrapper per layer
         return False
     if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "requires_physical_write_loc", False):
         return False
