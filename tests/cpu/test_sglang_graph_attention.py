@@ -85,6 +85,7 @@ def test_other_backends_are_declined_by_their_class():
     (lambda: model_runner(flashinfer_backend(skip_prefill=True)), None, "without prefill wrappers"),
     (lambda: model_runner(is_generation=False), None, "embedding"),
     (lambda: model_runner(flashinfer_backend(enable_mis=True)), None, "multi-item scoring"),
+    (lambda: model_runner(flashinfer_backend(enable_deterministic=True)), None, "deterministic inference"),
     (lambda: model_runner(flashinfer_backend(full_cg_prefill_wrappers=["theirs"])), None, "made by another runner"),
     (lambda: model_runner(flashinfer_backend(token_to_kv_pool=types.SimpleNamespace(requires_physical_write_loc=True))),
      None, "translates cache slots"),

@@ -56,6 +56,8 @@ def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
         return "an embedding or encoder-only model"
     if getattr(backend, "enable_mis", False):
         return "multi-item scoring (its masks are planned per forward)"
+    if getattr(backend, "enable_deterministic", False):
+        return "deterministic inference (its eager plan fixes the split size the graph's plan drops)"
     if getattr(backend, "full_cg_prefill_wrappers", None) is not None:
         return "the backend's full prefill wrappers were made by another runner"
     pool = getattr(backend, "token_to_kv_pool", None)
