@@ -5,7 +5,8 @@
 #   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer,
 #           sglang-flashinfer-break, metrics
 # (sglang runs SGLang's triton backend, where attention breaks; sglang-flashinfer its flashinfer
-# backend with attention inside bcg's graphs, BCG_ATTENTION=graph; sglang-flashinfer-break the same
+# backend with attention inside bcg's graphs, BCG_ATTENTION=graph, against SGLang's own full prefill
+# graphs; sglang-flashinfer-break the same
 # backend with attention breaking, BCG_ATTENTION=break)
 set -uo pipefail
 cd "$(dirname "$0")/.."

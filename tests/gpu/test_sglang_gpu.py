@@ -3,14 +3,16 @@
 Run on the GPU host: ``python -m pytest tests/gpu/test_sglang_gpu.py -m gpu -s``. Five engines
 start one after another in this process (each spawns its own scheduler): eager prefill
 (``cuda_graph_backend_prefill="disabled"``), bcg, bcg with each of two faults (test plugins loaded in
-the schedulers through ``BCG_TEST_FAULTS``), and eager prefill again.
+the schedulers through ``BCG_TEST_FAULTS``), and eager prefill again. With attention inside bcg's
+graph the reference is SGLang's own full prefill graphs instead (``REFERENCE``), run twice, and eager
+prefill once for the record.
 
 Model: Qwen3-0.6B shape with random weights written once as a safetensors checkpoint that every
 engine loads: norms 1, matrices N(0, 1/fan_in), embeddings N(0, 0.05^2). SGLang's own dummy
 weights (uniform +-1e-3, norms included) flatten the logits to a spread of ~0.02 nats, which makes
 any tolerance in units of that spread loose; these weights spread the logits over a few nats.
 
-Check: for every request, |logprob_bcg - logprob_eager| over its input-token logprobs, its
+Check: for every request, |logprob_bcg - logprob_reference| over its input-token logprobs, its
 per-position top-1 input logprobs and its output logprobs (up to the first differing output
 token) must stay below ``TOL`` x the spread (std) of the eager run's input logprobs: at every
 position for a dense model, at ``MOE_QUANTILE`` of the positions for a MoE model (see there).
@@ -18,7 +20,7 @@ bf16 GEMMs on a padded bucket may pick other kernels and reduction orders than t
 the core's padded-replay error on hidden states is <= 2e-2 relative, well under TOL.
 
 Two controls bracket the check: a replay with stale attention metadata must fail it (it is not too
-loose), and the eager engine run a second time must pass it against the first (it is not stricter
+loose), and the reference engine run a second time must pass it against the first (it is not stricter
 than the host's own run-to-run reproducibility). A third engine stores the KV cache inside the graph
 at the slots of the bucket's capture (``stale_graph_metadata.py``): it must fail the check too.
 
@@ -99,10 +101,16 @@ RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
 GRAPH_ATTENTION = ATTENTION_BACKEND == "flashinfer" and os.environ.get("BCG_ATTENTION") == "graph" and DP == 1
 # Where the captured graph stores the KV cache: on triton's and flashinfer's plain MHA pool, in the
-# segment before each break; with attention inside the graph, in it. Elsewhere (fa3) the break
-# stores it eagerly, as SGLang does, so there is no captured store for the stale-store control to make stale.
-SEGMENT_STORE = ATTENTION_BACKEND in ("triton", "flashinfer") and not GRAPH_ATTENTION
+# segment before each layer's attention (a break, or attention inside the graph). Elsewhere (fa3) the
+# break stores it eagerly, as SGLang does, so there is no captured store for the stale-store control to make stale.
+SEGMENT_STORE = ATTENTION_BACKEND in ("triton", "flashinfer")
 STORE_IN_GRAPH = SEGMENT_STORE or GRAPH_ATTENTION
+# What bcg is checked against: eager prefill, or with attention inside bcg's graph SGLang's own full
+# prefill graphs. Those plan attention as bcg's graph does, a paged prefill over every token, where
+# eager flashinfer runs a ragged prefill over the new tokens: other kernels, which round otherwise
+# (the test prints how far full is from eager), so bcg is held to the host's own graph-attention mode,
+# as bcg over vLLM's compiled model is held to vLLM's compiled engine.
+REFERENCE = "full" if GRAPH_ATTENTION else "eager"
 RESCALE_LOADER = "dummy_weights.rescale_loaded"  # SGLang imports it by name in every scheduler
 
 
@@ -217,7 +225,17 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = T
         cuda_graph_backend_decode="disabled",
         mem_fraction_static=0.5,
         log_level="warning",
+        **({"cuda_graph_config": {"prefill": {"full_prefill_max_req": full_request_slots(chunk)}}}
+           if mode == "full" else {}),
     )
+
+
+def full_request_slots(chunk: int) -> int:
+    """The request slots of SGLang's full prefill graphs as a reference: bcg's own rule for its graph
+    buckets (SGLang's chunk / 512 would leave every step of more than two requests eager at the test's chunk)."""
+    from bcg_plugin.adapters.sglang.graph_attention import MIN_REQUEST_SLOTS
+
+    return max(chunk // 512, MIN_REQUEST_SLOTS)
 
 
 # Each engine of one test process gets its own port range: under DP attention the process keeps a
@@ -349,9 +367,9 @@ def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
 def kept(name: str, run) -> dict:
     """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there.
 
-    Eager engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on one
-    backend share them."""
-    graph = "-graph" if GRAPH_ATTENTION and not name.startswith("eager") else ""
+    Eager and full engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on
+    one backend share them."""
+    graph = "-graph" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
     chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + graph
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
@@ -373,18 +391,27 @@ def runs(checkpoint):
                                              BCG_SIZES=STALE_SIZES))
     stale_store = kept("stale-store", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_SIZES=STALE_SIZES,
                                                          BCG_TEST_FAULTS=STALE_STORE_FAULT)) if STORE_IN_GRAPH else None
-    eager_again = kept("eager-again", lambda: run_engine(checkpoint, "disabled", waves, probes))
+    mode = "disabled" if REFERENCE == "eager" else REFERENCE
+    reference = eager if REFERENCE == "eager" else kept(REFERENCE, lambda: run_engine(checkpoint, mode, waves, probes))
+    again = kept(f"{REFERENCE}-again", lambda: run_engine(checkpoint, mode, waves, probes))
     spread = spread_of(eager["results"] + eager["probes"])
     print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread "
-          f"at quantile {error_quantile()} of each request's positions")
-    return {"eager": eager, "bcg": bcg, "stale": stale, "stale_store": stale_store, "eager_again": eager_again,
-            "spread": spread}
+          f"at quantile {error_quantile()} of each request's positions; reference: {REFERENCE}")
+    runs = {"eager": eager, "reference": reference, "bcg": bcg, "stale": stale, "stale_store": stale_store,
+            f"{REFERENCE}_again": again, "spread": spread}
+    if REFERENCE != "eager":
+        compare(runs, "reference", against="eager")  # how far the host's own mode is from eager, for the record
+    return runs
 
 
 def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     """The comparison below is not vacuous: bcg really served prefill, mixed and chunked forwards."""
     eager_graph = [f for f in runs["eager"]["forwards"] if f["graph"]]
     assert not eager_graph, "the eager engine replayed prefill graphs"
+    if REFERENCE != "eager":  # a reference that ran eagerly would be eager prefill again
+        replayed = sum(f["graph"] for f in runs["reference"]["forwards"])
+        print(f"[bcg gpu] {REFERENCE} engine: {replayed} of {len(runs['reference']['forwards'])} extend forwards replayed")
+        assert replayed >= 50, f"SGLang's {REFERENCE} prefill graphs replayed {replayed} forwards"
     replayed = [f for f in runs["bcg"]["forwards"] if f["graph"]]
     eager_fallback = [f for f in runs["bcg"]["forwards"] if not f["graph"]]
     print(f"[bcg gpu] bcg engine: {len(replayed)} extend forwards replayed, {len(eager_fallback)} eager")
@@ -420,9 +447,8 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
-    """triton's and flashinfer's plain MHA pool with attention breaking: every layer's store captured
-    in the segment before its break (what the stale-store control makes stale); with attention
-    inside the graph none, the store runs there with attention."""
+    """triton's and flashinfer's plain MHA pool: every layer's store captured in the segment before
+    its attention, a break or attention inside the graph (what the stale-store control makes stale)."""
     capture = bcg_capture(runs)
     layers = model_config()["num_hidden_layers"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: KV-cache store in the segment in {capture['bcg_store_in_graph_layers']} "
@@ -430,35 +456,37 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
     assert capture["bcg_store_in_graph_layers"] == (layers if SEGMENT_STORE else 0)
 
 
-def compare(runs: dict, name: str) -> list[float]:
-    """Every request's and probe's error of run ``name`` against the eager run, printed."""
-    spread = runs["spread"]
-    errs = errors(runs[name]["results"], runs["eager"]["results"], spread)
-    probe_errs = errors(runs[name]["probes"], runs["eager"]["probes"], spread)
+def compare(runs: dict, name: str, against: str = "reference") -> list[float]:
+    """Every request's and probe's error of run ``name`` against run ``against``, printed."""
+    spread, ref = runs["spread"], runs[against]
+    errs = errors(runs[name]["results"], ref["results"], spread)
+    probe_errs = errors(runs[name]["probes"], ref["probes"], spread)
     worst_max = max(request_error(g, r, spread, quantile=1.0) for run in ("results", "probes")
-                    for g, r in zip(runs[name][run], runs["eager"][run]))
-    print(f"[bcg gpu] {name}: {len(errs)} requests + {len(probe_errs)} probes: worst {max(errs + probe_errs):.4f}, "
+                    for g, r in zip(runs[name][run], ref[run]))
+    label = name if against == "reference" else f"{name} against {against}"
+    print(f"[bcg gpu] {label}: {len(errs)} requests + {len(probe_errs)} probes: worst {max(errs + probe_errs):.4f}, "
           f"median {statistics.median(errs):.4f}, beyond TOL {sum(e > TOL for e in errs + probe_errs)}; "
           f"worst single position {worst_max:.4f} (x spread)")
     return errs + probe_errs
 
 
-def test_bcg_matches_eager_logprobs(runs):
+def test_bcg_matches_the_reference_logprobs(runs):
     errs = compare(runs, "bcg")
     assert max(errs) <= TOL, sorted(errs)[-10:]
 
 
-def test_eager_again_passes_the_same_check(runs):
-    """Positive control: the check is not stricter than the host's eager prefill against itself."""
-    errs = compare(runs, "eager_again")
-    assert max(errs) <= TOL, (f"eager prefill run twice fails the check ({sorted(errs)[-10:]}): the check is "
+def test_reference_again_passes_the_same_check(runs):
+    """Positive control: the check is not stricter than the reference (the host's eager prefill, or
+    its full prefill graphs) against itself."""
+    errs = compare(runs, f"{REFERENCE}_again")
+    assert max(errs) <= TOL, (f"{REFERENCE} prefill run twice fails the check ({sorted(errs)[-10:]}): the check is "
                               "stricter than the host's own reproducibility, so a bcg failure would say nothing")
 
 
 def stale_probe_errors(runs: dict, name: str) -> list[float]:
-    """The probes' errors of the faulted run ``name`` against eager, which must have replayed."""
+    """The probes' errors of the faulted run ``name`` against the reference; it must have replayed."""
     assert any(f["graph"] for f in runs[name]["forwards"]), f"the {name} engine never replayed"
-    pairs = [(g, r) for g, r, q in zip(runs[name]["probes"], runs["eager"]["probes"], probe_requests())
+    pairs = [(g, r) for g, r, q in zip(runs[name]["probes"], runs["reference"]["probes"], probe_requests())
              if q.get("probe")]
     errs = [request_error(g, r, runs["spread"]) for g, r in pairs]
     print(f"[bcg gpu] {name} probe errors (x spread): {[round(e, 3) for e in errs]}")
@@ -570,7 +598,7 @@ def test_dp_attention_dense_replays_ranks_padded_to_the_dp_wide_bucket(dp_dense_
 
 
 def test_dp_attention_dense_matches_eager_logprobs(dp_dense_runs):
-    """The same check as ``test_bcg_matches_eager_logprobs`` (its controls there), every position."""
+    """The same check as ``test_bcg_matches_the_reference_logprobs`` (its controls there), every position."""
     spread = dp_dense_runs["spread"]
     got, ref = dp_dense_runs["bcg"]["results"], dp_dense_runs["eager"]["results"]
     assert len(got) == len(ref)

@@ -9,7 +9,9 @@ requests, and the same plan refills those wrappers from a view of the batch padd
 captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
 requests. A step with more requests runs eagerly (counted).
 
-Experimental, with no engine-suite result on a GPU yet: taken only with ``attention: graph``
+Its kernels are those of SGLang's full graphs, not eager's (a paged prefill over every token where
+eager runs a ragged one over the new tokens), so its outputs match full's, not eager's bit for bit.
+Experimental, with no passing engine-suite run on a GPU yet: taken only with ``attention: graph``
 (``BCG_ATTENTION=graph``); ``auto`` keeps attention an eager break on SGLang.
 """
 
