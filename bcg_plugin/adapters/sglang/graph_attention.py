@@ -10,7 +10,7 @@ captured kernels read only what the plan wrote, so one graph serves any batch mi
 requests. A step with more requests runs eagerly (counted).
 
 Its kernels are those of SGLang's full graphs, not eager's (a paged prefill over every token where
-eager runs a ragged one over the new tokens), so its outputs match full's, not eager's bit for bit.
+eager runs a ragged one over the new tokens), so its outputs are held to full's, not to eager's.
 Experimental, with no passing engine-suite run on a GPU yet: taken only with ``attention: graph``
 (``BCG_ATTENTION=graph``); ``auto`` keeps attention an eager break on SGLang.
 """
