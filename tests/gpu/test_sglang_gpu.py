@@ -236,11 +236,11 @@ def full_reference_graphs(chunk: int) -> dict:
     chunk) and bcg's ladder, below its first bucket SGLang's smallest sizes (SGLang runs a step
     eagerly where its bucket more than doubles it), so full replays every step bcg replays, padded
     to the same rows."""
-    from bcg_plugin.adapters.sglang.graph_attention import MIN_REQUEST_SLOTS
+    from bcg_plugin.adapters.sglang.graph_attention import chunk_request_slots
     from bcg_plugin.ladder import reference_ladder
 
     ladder = reference_ladder(chunk)
-    return {"full_prefill_max_req": max(chunk // 512, MIN_REQUEST_SLOTS),
+    return {"full_prefill_max_req": chunk_request_slots(chunk),
             "bs": [n for n in (1, 2, 4, 8) if n < ladder[0]] + ladder}
 
 
@@ -403,10 +403,10 @@ def runs(checkpoint):
     spread = spread_of(eager["results"] + eager["probes"])
     print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread "
           f"at quantile {error_quantile()} of each request's positions; reference: {REFERENCE}")
-    runs = {"eager": eager, "reference": reference, "bcg": bcg, "stale": stale, "stale_store": stale_store,
-            f"{REFERENCE}_again": again, "spread": spread}
+    runs = {"eager": eager, REFERENCE: reference, "reference": reference, "bcg": bcg, "stale": stale,
+            "stale_store": stale_store, f"{REFERENCE}_again": again, "spread": spread}
     if REFERENCE != "eager":  # how far the host's own mode is from eager, for the record
-        compare({**runs, REFERENCE: reference}, REFERENCE, against="eager")
+        compare(runs, REFERENCE, against="eager")
     return runs
 
 
@@ -416,10 +416,11 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert not eager_graph, "the eager engine replayed prefill graphs"
     if REFERENCE != "eager":  # a step the reference ran eagerly would compare bcg with eager prefill again
         forwards = runs["reference"]["forwards"]
-        eager = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= TOP_BUCKET]
+        not_replayed = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= TOP_BUCKET]
         print(f"[bcg gpu] {REFERENCE} engine: {sum(f['graph'] for f in forwards)} of {len(forwards)} extend "
               f"forwards replayed")
-        assert forwards and not eager, f"SGLang's {REFERENCE} prefill graphs ran steps eagerly: {eager[:20]}"
+        assert forwards and not not_replayed, (f"SGLang's {REFERENCE} prefill graphs ran steps eagerly: "
+                                               f"{not_replayed[:20]}")
     replayed = [f for f in runs["bcg"]["forwards"] if f["graph"]]
     eager_fallback = [f for f in runs["bcg"]["forwards"] if not f["graph"]]
     print(f"[bcg gpu] bcg engine: {len(replayed)} extend forwards replayed, {len(eager_fallback)} eager")

@@ -68,6 +68,12 @@ def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
     return None
 
 
+def chunk_request_slots(chunk: int | None) -> int:
+    """``r`` where the operator set no ``full_prefill_max_req``: SGLang's rule (chunk / 512) raised to
+    :data:`MIN_REQUEST_SLOTS`."""
+    return max((chunk or 0) // 512, MIN_REQUEST_SLOTS)
+
+
 def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     """``r``: the requests one graph-attention step may hold.
 
@@ -80,7 +86,7 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     from bcg_plugin.adapters.sglang.replay import prefill_graph_config
 
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
-    r = int(configured) if configured else max((chunk or 0) // 512, MIN_REQUEST_SLOTS)
+    r = int(configured) if configured else chunk_request_slots(chunk)
     r = min(r, int(model_runner.req_to_token_pool.size), top)
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
 
