@@ -38,8 +38,8 @@ ENGINES = {
              "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
                        "bcg_graph", "bcg_compile", "bcg_compile_graph"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
-               "modes": ["disabled", "native", "full", "bcg", "bcg_graph"],
-               # bcg_graph needs --attention-backend flashinfer (experimental): not run unless named.
+               "modes": ["disabled", "native", "full", "bcg", "bcg_break", "bcg_graph"],
+               # bcg_break and bcg_graph are bcg with attention fixed in every bucket: run when named.
                "default_modes": ["disabled", "native", "full", "bcg"],
                # Every mode of a run uses one: SGLang's full prefill graphs need a backend that can
                # capture plain extend batches (0.5.23's triton backend cannot; flashinfer and fa3 can).
@@ -341,7 +341,8 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
         cells += [_fmt(d.get(key), 3) for key, _ in columns]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [""] + _footprint(good)
-    lines += _break_cost_section(break_cost(good, result["model"].get("num_hidden_layers"), sizes))
+    lines += _break_cost_section(result["engine"], inline_mode(good),
+                                 break_cost(good, result["model"].get("num_hidden_layers"), sizes))
     lines += _weight_floor_section(good, sizes)
     lines += [f"![{name}]({name})" for name in images]
     failed = {m: d for m, d in modes.items() if "error" in d}
@@ -380,29 +381,41 @@ def _footprint(good: dict) -> list[str]:
     return lines + [""]
 
 
+def inline_mode(good: dict) -> str | None:
+    """The mode that kept attention inside the graph to set against ``bcg_break``: ``bcg_graph``, or
+    else ``bcg`` where its default did so in some buckets; ``None`` if neither did."""
+    for mode in ("bcg_graph", "bcg"):
+        if (good.get(mode) or {}).get("graph_attention_buckets"):
+            return mode
+    return None
+
+
 def break_cost(good: dict, layers: int | None, sizes: list[str]) -> dict[str, float]:
     """Per N, the host time one attention break costs (ms): ``bcg_break``'s host time issuing the
-    forward less ``bcg_graph``'s, over the model's layers (one attention break each in the dense
-    models the bench runs), at the sizes whose bucket ``bcg_graph`` captured with attention inside
+    forward less the :func:`inline_mode`'s, over the model's layers (one attention break each in the
+    dense models the bench runs), at the sizes whose bucket that mode captured with attention inside
     (``graph_attention_buckets``; above them both modes break and the difference is noise); empty
     unless both modes measured it."""
-    brk, inline = ((good.get(m) or {}).get("forward_host_ms") or {} for m in ("bcg_break", "bcg_graph"))
-    inside = (good.get("bcg_graph") or {}).get("graph_attention_buckets") or []
-    if not layers or not inside:
+    mode = inline_mode(good)
+    if not layers or mode is None:
         return {}
-    top = max(inside)
+    brk, inline = ((good.get(m) or {}).get("forward_host_ms") or {} for m in ("bcg_break", mode))
+    top = max(good[mode]["graph_attention_buckets"])
     return {n: (brk[n] - inline[n]) / layers for n in sizes if n in brk and n in inline and int(n) <= top}
 
 
-def _break_cost_section(per_break: dict[str, float]) -> list[str]:
+def _break_cost_section(engine: str, mode: str | None, per_break: dict[str, float]) -> list[str]:
     if not per_break:
         return []
+    timer = {"vllm": f" `{mode}`'s timer starts after vLLM landed the step's metadata (its FULL replay), "
+                     "`bcg_break`'s around the model call, which includes bcg's input landing: the difference "
+                     "holds that landing too.",
+             "sglang": " Both timers hold the whole forward, the graph bucket's planning of the live batch "
+                       "included."}.get(engine, "")
     return ["## Host time per attention break", "",
-            "The host time issuing the forward in `bcg_break` less `bcg_graph`'s, over the model's layers: what "
-            "each eager attention step costs the host, at the sizes where `bcg_graph` kept attention inside the "
-            "graph. `bcg_graph`'s timer starts after vLLM landed the step's metadata (its FULL replay), "
-            "`bcg_break`'s around the model call, which includes bcg's input landing: the difference holds "
-            "that landing too.", "",
+            f"The host time issuing the forward in `bcg_break` less `{mode}`'s, over the model's layers: what "
+            f"each eager attention step costs the host, at the sizes where `{mode}` kept attention inside the "
+            f"graph.{timer}", "",
             *_table(list(per_break), {"µs per break": {n: v * 1e3 for n, v in per_break.items()}}, 1), ""]
 
 

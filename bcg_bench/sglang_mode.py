@@ -2,8 +2,9 @@
 
 Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its CUDA default),
 ``full`` (SGLang's full prefill graphs, attention inside the graph), ``tc_piecewise`` (torch.compile
-piecewise graphs; SGLang removed it in 0.5.22), ``bcg`` and ``bcg_graph`` (bcg with attention inside
-its graphs in every bucket, ``BCG_ATTENTION=graph``: flashinfer only, experimental). Per N: the median end-to-end
+piecewise graphs; SGLang removed it in 0.5.22), ``bcg`` (bcg's default, ``BCG_ATTENTION=auto``),
+``bcg_break`` and ``bcg_graph`` (bcg with attention an eager break, or inside its graphs where the
+backend allows it, in every bucket: ``BCG_ATTENTION=break`` and ``graph``). Per N: the median end-to-end
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
 and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
@@ -32,9 +33,9 @@ from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV
 
 MODES = {"disabled": "disabled", "native": "breakable", "full": "full", "tc_piecewise": "tc_piecewise", "bcg": "bcg",
-         "bcg_graph": "bcg"}
+         "bcg_break": "bcg", "bcg_graph": "bcg"}
 # bcg's ``attention`` setting per bcg mode (the environment its schedulers inherit).
-ATTENTION = {"bcg": "auto", "bcg_graph": "graph"}
+ATTENTION = {"bcg": "auto", "bcg_break": "break", "bcg_graph": "graph"}
 # Modes an SGLang release no longer has: (first release without it, what to run instead).
 RETIRED = {"tc_piecewise": ("0.5.22", "full or native")}
 

@@ -115,9 +115,9 @@ def _vllm_targets(mode: str) -> list[Target]:
     return targets
 
 
-# The SGLang adapter's configurations: ``bcg`` (attention an eager break, the default) and
-# ``bcg_graph`` (attention inside the graph in every bucket, experimental).
-SGLANG_CONFIGURATIONS = {"bcg": "attention an eager break", "bcg_graph": "BCG_ATTENTION=graph, experimental"}
+# The SGLang adapter's configurations: ``bcg`` (the default, attention ``auto``: inside the graph in
+# small buckets where the backend allows it) and ``bcg_graph`` (inside the graph in every bucket).
+SGLANG_CONFIGURATIONS = {"bcg": "attention auto, the default", "bcg_graph": "BCG_ATTENTION=graph"}
 
 
 def _sglang_targets(mode: str) -> list[Target]:

@@ -250,7 +250,7 @@ def test_sglang_latency_targets_read_the_worst_n_of_the_paired_median_over_round
     assert "| bcg / full (e2e, every N) | <= 1 | 0.955 | yes |" in table  # 21 / 22 at 1024 over 8.5 / 9 at 16
     assert "| bcg / native (capture seconds) | <= 1 | 0.750 | yes |" in table  # each mode's minimum, 3 / 4
     # bcg_graph is read against its own figures, and says so where the run did not measure it
-    assert "- bcg (attention an eager break): 3 of 4 measured targets met" in table
+    assert "- bcg (attention auto, the default): 3 of 4 measured targets met" in table
     assert "| bcg_graph / full (e2e, every N) | <= 1 | not measured | - |" in table
     assert "- bcg_graph: not measured" in table
     modes = _sglang_modes()
@@ -493,6 +493,18 @@ def test_report_gives_the_host_time_per_attention_break_when_both_attention_mode
     modes["bcg_graph"]["graph_attention_buckets"] = inside
     del modes["bcg_graph"]
     assert "per attention break" not in harness.to_markdown(_vllm_result(modes, [16, 256]))
+
+
+def test_on_sglang_the_default_stands_in_for_bcg_graph_where_it_kept_attention_inside():
+    modes = {"bcg_break": {"e2e_ms": {"16": 5.0, "1024": 6.0}, "forward_host_ms": {"16": 3.0, "1024": 3.5}},
+             "bcg": {"e2e_ms": {"16": 4.0, "1024": 6.0}, "forward_host_ms": {"16": 1.6, "1024": 3.5},
+                     "graph_attention_buckets": [16, 32, 512]}}
+    result = {**_vllm_result(modes, [16, 1024]), "engine": "sglang", "engine_version": "0.5.23"}
+    section = harness.to_markdown(result).split("## Host time per attention break", 1)[1].split("##")[0]
+    assert "`bcg_break` less `bcg`'s" in section and "| 16 | 50.0 |" in section and "| 1024 |" not in section
+    assert "vLLM" not in section
+    modes["bcg"]["graph_attention_buckets"] = []  # the default broke in every bucket (another backend)
+    assert harness.break_cost(modes, 28, ["16", "1024"]) == {}
 
 
 def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, monkeypatch):

@@ -147,20 +147,28 @@ def test_more_requests_than_slots_are_refused():
 # -- the choice, once per runner ----------------------------------------------------------------
 
 
-def test_graph_keeps_attention_inside_every_bucket_and_auto_none(caplog):
-    buckets = [16, 512, 1024, 2048, 8192]
+def test_graph_keeps_attention_inside_every_bucket_auto_the_small_ones_and_break_none(caplog):
+    buckets = [16, 512, 576, 1024, 2048, 8192]
     assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "graph") == buckets
     runner = model_runner()
-    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert ga.GraphAttention(runner, None, 8192, "cpu").choose(buckets, "auto") is None
-    assert "experimental" in caplog.text and runner.attn_backend.made == []  # nothing allocated
+    assert ga.AUTO_GRAPH_ATTENTION_TOKENS == 512
+    assert ga.GraphAttention(runner, None, 8192, "cpu").choose(buckets, "auto") == [16, 512]
+    assert runner.attn_backend.made == [(64, 512)]  # the wrappers sized for the largest bucket chosen
+    runner = model_runner()
+    assert ga.GraphAttention(runner, None, 8192, "cpu").choose(buckets, "break") is None
+    assert ga.GraphAttention(runner, None, 8192, "cpu").choose([576, 1024], "auto") is None
+    assert runner.attn_backend.made == []  # nothing allocated where no bucket keeps attention inside
 
 
-def test_the_opt_in_is_mentioned_only_where_graph_would_be_taken(caplog):
+def test_a_declined_runner_is_warned_about_only_where_graph_was_asked_for(caplog):
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
         assert ga.GraphAttention(model_runner(), 1, 8192, "cpu").choose([16], "auto") is None  # DP: declined
-        assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose([16], "break") is None
-    assert caplog.text == ""
+    assert [r.levelname for r in caplog.records] == ["INFO"] and "DP attention" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert ga.GraphAttention(model_runner(), 1, 8192, "cpu").choose([16], "graph") is None
+        assert ga.GraphAttention(model_runner(), 1, 8192, "cpu").choose([16], "break") is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
 
 
 def test_the_wrappers_are_made_once_for_the_largest_graph_bucket_and_the_request_slots():
@@ -232,9 +240,8 @@ def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
 
 
 def test_doctor_names_where_attention_runs_for_each_choice():
-    assert attention_scope(BcgConfig(attention="break")).startswith("an eager break in every bucket")
-    assert attention_scope(BcgConfig(attention="auto")).startswith("an eager break in every bucket")
-    assert "BCG_ATTENTION=graph" in attention_scope(BcgConfig(attention="auto"))
+    assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
+    assert attention_scope(BcgConfig(attention="auto")).startswith("inside the graph in buckets up to 512 tokens")
     assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")
 
 

@@ -31,13 +31,16 @@ def diagnose() -> AdapterReport:
 def attention_scope(config: BcgConfig) -> str:
     """Where each bucket's attention runs under ``config``
     (:meth:`~bcg_plugin.adapters.sglang.graph_attention.GraphAttention.choose`)."""
-    if config.attention != "graph":
-        return ("an eager break in every bucket (attention inside the graph is experimental on SGLang: "
-                "BCG_ATTENTION=graph takes it)")
-    return ("inside the graph in every bucket (experimental), where SGLang runs the flashinfer attention backend "
-            "without DP attention, sliding-window or cross attention, a step holding more requests than the "
-            "buckets were captured for running eagerly; an eager break on other backends; the capture logs its "
-            "choice by bucket range")
+    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
+
+    if config.attention == "break":
+        return "an eager break in every bucket"
+    where = ("every bucket" if config.attention == "graph"
+             else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones)")
+    return (f"inside the graph in {where}, where SGLang runs the flashinfer attention backend without DP "
+            "attention, sliding-window or cross attention, a step holding more requests than the buckets were "
+            "captured for running eagerly; an eager break on other backends; the capture logs its choice by "
+            "bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

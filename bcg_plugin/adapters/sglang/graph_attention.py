@@ -11,8 +11,8 @@ requests. A step with more requests runs eagerly (counted).
 
 Its kernels are those of SGLang's full graphs, not eager's (a paged prefill over every token where
 eager runs a ragged one over the new tokens), so its outputs are held to full's, not to eager's.
-Experimental, with no passing engine-suite run on a GPU yet: taken only with ``attention: graph``
-(``BCG_ATTENTION=graph``); ``auto`` keeps attention an eager break on SGLang.
+``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
+inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ GRAPH_BACKEND = ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAt
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
 MIN_REQUEST_SLOTS = 64
+# The largest bucket "auto" keeps attention inside the graph for. Up to it the flashinfer break's
+# host time (its wrapper's Python, once per layer) exceeds the step's GPU work, which one replay
+# hides; above it an eager ragged prefill sized for the live batch beats the paged one captured for
+# the bucket's worst case (docs/benchmarks.md: bcg against bcg_break and full on SGLang 0.5.23).
+AUTO_GRAPH_ATTENTION_TOKENS = 512
 
 
 def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
@@ -147,28 +152,28 @@ class GraphAttention:
         self._made_wrappers = False
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
-        """The buckets whose attention stays inside the graph: every bucket for ``"graph"`` where
-        the runner allows it, none for ``"auto"`` (the path is experimental on SGLang)."""
-        if attention != "graph":
-            # Said only where "graph" would be taken: on other backends the break is all there is.
-            if attention == "auto" and self.reason is None:
-                logger.info("bcg: attention stays an eager break in every bucket: on SGLang, attention inside the "
-                            "graph is experimental and taken only with attention \"graph\" (BCG_ATTENTION=graph)")
+        """The buckets whose attention stays inside the graph where the runner allows it: every
+        bucket for ``"graph"``, those up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` for ``"auto"``,
+        none for ``"break"``."""
+        if attention == "break":
             return None
         if self.reason is not None:
-            logger.warning("bcg: attention stays an eager break in every bucket: %s", self.reason)
+            # Warned only where asked for: under "auto" other backends simply break, as before.
+            (logger.warning if attention == "graph" else logger.info)(
+                "bcg: attention stays an eager break in every bucket: %s", self.reason)
             return None
-        if not buckets:
+        chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= AUTO_GRAPH_ATTENTION_TOKENS]
+        if not chosen:
             return None
         if self.slots is None:
-            top = max(buckets)
+            top = max(chosen)
             r = request_slots(self.model_runner, self.chunk, top)
             backend = self.model_runner.attn_backend
             # Sized for the largest graph bucket and r requests, as SGLang sizes its own.
             backend.full_cg_prefill_wrappers = backend._create_full_cg_prefill_wrappers(r, top)
             self._made_wrappers = True
             self.slots = RequestSlots(r, self.device)
-            self.buckets = list(buckets)
+            self.buckets = chosen
         return list(self.buckets)
 
     def release(self) -> None:
