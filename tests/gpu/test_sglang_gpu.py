@@ -29,7 +29,9 @@ at the slots of the bucket's capture (``stale_graph_metadata.py``): it must fail
 ``BCG_TEST_ATTENTION_BACKEND`` sets SGLang's attention backend (default triton, where attention is
 bcg's eager break). With flashinfer and ``BCG_ATTENTION=graph`` (``ci/gpu-tests.sh sglang-flashinfer``)
 attention stays inside bcg's graphs in every bucket, so there the controls' stale plan and stale
-store slots are read inside the graph. With flashinfer and ``BCG_ATTENTION=break``
+store slots are read inside the graph. With flashinfer and ``auto`` (``sglang-flashinfer-auto``)
+it stays inside the buckets up to the adapter's limit, the controls' buckets among them, and
+breaks above; full's graphs then reach that limit only. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
 in the segment before it. On a backend whose break stores the KV cache (fa3) the stale-store
 control has nothing to make stale and is skipped.
@@ -100,14 +102,29 @@ MODEL = os.environ.get("BCG_TEST_MODEL", "qwen3-0.6b")
 TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget between the DP ranks
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
-GRAPH_ATTENTION = ATTENTION_BACKEND == "flashinfer" and os.environ.get("BCG_ATTENTION") == "graph" and DP == 1
+ATTENTION = os.environ.get("BCG_ATTENTION", "auto")
+
+
+def inside_tokens() -> int:
+    """The largest bucket bcg captures with attention inside its graph (0 for none): on flashinfer
+    without DP attention, every bucket under ``graph``, those up to the adapter's limit under ``auto``."""
+    if ATTENTION_BACKEND != "flashinfer" or DP != 1 or ATTENTION == "break":
+        return 0
+    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
+
+    return TOP_BUCKET if ATTENTION == "graph" else min(AUTO_GRAPH_ATTENTION_TOKENS, TOP_BUCKET)
+
+
+INSIDE_TOKENS = inside_tokens()
+GRAPH_ATTENTION = INSIDE_TOKENS > 0
 # Where the captured graph stores the KV cache: on triton's and flashinfer's plain MHA pool, in the
 # segment before each layer's attention (a break, or attention inside the graph). Elsewhere (fa3) the
 # break stores it eagerly, as SGLang does, so there is no captured store for the stale-store control to make stale.
 SEGMENT_STORE = ATTENTION_BACKEND in ("triton", "flashinfer")
 STORE_IN_GRAPH = SEGMENT_STORE or GRAPH_ATTENTION
 # What bcg is checked against: eager prefill, or with attention inside bcg's graph SGLang's own full
-# prefill graphs. Those plan attention as bcg's graph does, a paged prefill over every token, where
+# prefill graphs, captured for the sizes bcg keeps attention inside (larger steps run eagerly in both).
+# Those plan attention as bcg's graph does, a paged prefill over every token, where
 # eager flashinfer runs a ragged prefill over the new tokens: other kernels, which round otherwise
 # (the test prints how far full is from eager), so bcg is held to the host's own graph-attention mode,
 # as bcg over vLLM's compiled model is held to vLLM's compiled engine.
@@ -233,13 +250,14 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = T
 def full_reference_graphs(chunk: int) -> dict:
     """SGLang's full prefill graphs as the reference of bcg's graph attention: bcg's request slots
     (SGLang's chunk / 512 would leave every step of more than two requests eager at the test's
-    chunk) and bcg's ladder, below its first bucket SGLang's smallest sizes (SGLang runs a step
-    eagerly where its bucket more than doubles it), so full replays every step bcg replays, padded
-    to the same rows."""
+    chunk) and bcg's buckets that keep attention inside (``INSIDE_TOKENS``), below its first bucket
+    SGLang's smallest sizes (SGLang runs a step eagerly where its bucket more than doubles it), so
+    full replays every step bcg replays with attention inside, padded to the same rows, and runs
+    larger ones eagerly, where bcg breaks."""
     from bcg_plugin.adapters.sglang.graph_attention import chunk_request_slots
     from bcg_plugin.ladder import reference_ladder
 
-    ladder = reference_ladder(chunk)
+    ladder = [n for n in reference_ladder(chunk) if n <= INSIDE_TOKENS]
     return {"full_prefill_max_req": chunk_request_slots(chunk),
             "bs": [n for n in (1, 2, 4, 8) if n < ladder[0]] + ladder}
 
@@ -375,7 +393,10 @@ def kept(name: str, run) -> dict:
 
     Eager and full engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on
     one backend share them."""
-    graph = "-graph" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
+    # bcg's runs by its attention setting; full's by its ladder, which is bcg's below INSIDE_TOKENS.
+    graph = f"-{ATTENTION}" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
+    if name.startswith("full") and INSIDE_TOKENS < TOP_BUCKET:
+        graph = f"-to{INSIDE_TOKENS}"
     chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + graph
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
@@ -416,7 +437,7 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert not eager_graph, "the eager engine replayed prefill graphs"
     if REFERENCE != "eager":  # a step the reference ran eagerly would compare bcg with eager prefill again
         forwards = runs["reference"]["forwards"]
-        not_replayed = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= TOP_BUCKET]
+        not_replayed = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= INSIDE_TOKENS]
         print(f"[bcg gpu] {REFERENCE} engine: {sum(f['graph'] for f in forwards)} of {len(forwards)} extend "
               f"forwards replayed")
         assert forwards and not not_replayed, (f"SGLang's {REFERENCE} prefill graphs ran steps eagerly: "
@@ -442,15 +463,21 @@ def bcg_capture(runs: dict) -> dict:
 
 
 def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs):
-    """flashinfer with ``BCG_ATTENTION=graph``: every bucket captured attention inside its graph, so
-    the check below covers that path; otherwise none did (``auto`` breaks on SGLang, triton has no
-    graph plan)."""
+    """flashinfer: every bucket captured attention inside its graph under ``BCG_ATTENTION=graph``,
+    every bucket up to ``INSIDE_TOKENS`` and none above under ``auto``, so the check below covers
+    that path (and under ``auto`` the break above it); otherwise none did (``break``, or triton,
+    which has no graph plan)."""
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
           f"{capture['bcg_buckets']} buckets")
-    if GRAPH_ATTENTION:
+    if ATTENTION == "graph" and GRAPH_ATTENTION:
         assert len(inside) == capture["bcg_buckets"] > 0
+    elif GRAPH_ATTENTION:
+        from bcg_plugin.ladder import reference_ladder
+
+        assert inside == [n for n in reference_ladder(CHUNK) if n <= INSIDE_TOKENS]
+        assert capture["bcg_buckets"] > len(inside)  # the larger buckets break
     else:
         assert inside == []
 
