@@ -310,17 +310,32 @@ def test_dp_ranks_replay_together_or_not_at_all():
     assert r.core.stats.fallbacks["over_top_bucket"] == 1
 
 
-def test_a_step_with_more_requests_than_a_graph_buckets_slots_runs_eagerly_and_is_counted():
+def graph_attention_runner(inside, slots, sizes=(16, 32, 64), ratio=None):
     from bcg_plugin.adapters.sglang import graph_attention
 
-    r = vote_runner()
-    r.core.graph_attention = frozenset({16})
+    r = vote_runner(sizes, ratio=ratio)
+    r.core.graph_attention = frozenset(inside)
     r.host.graph = graph_attention.GraphAttention.__new__(graph_attention.GraphAttention)
-    r.host.graph.slots = graph_attention.RequestSlots(2, "cpu")
+    r.host.graph.slots = graph_attention.RequestSlots(slots, "cpu")
+    return r
+
+
+def test_a_step_with_more_requests_than_a_graph_buckets_slots_replays_in_the_next_breaking_bucket():
+    r = graph_attention_runner({16}, slots=2)  # "auto": the small bucket keeps attention inside
     assert r.can_run_graph(fake_batch(12, requests=2)) and r._planned[1] == 16
+    assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 32  # padded further, breaking
+    assert r.can_run_graph(fake_batch(30, requests=3)) and r._planned[1] == 32  # a breaking bucket takes any count
+    assert r.core.stats.fallbacks["feature_not_captured"] == 0
+
+
+def test_a_step_with_more_requests_than_the_slots_runs_eagerly_where_no_larger_bucket_breaks():
+    r = graph_attention_runner({16, 32, 64}, slots=2)  # "graph": every bucket
     assert not r.can_run_graph(fake_batch(12, requests=3))
     assert r.core.stats.fallbacks["feature_not_captured"] == 1
-    assert r.can_run_graph(fake_batch(30, requests=3)) and r._planned[1] == 32  # a breaking bucket takes any count
+    r = graph_attention_runner({16}, slots=2, ratio=2.0)  # 32 rows for 12 tokens is past the padding limit
+    assert not r.can_run_graph(fake_batch(12, requests=3))
+    assert r.core.stats.fallbacks["feature_not_captured"] == 1
+    assert r.can_run_graph(fake_batch(16, requests=3)) and r._planned[1] == 32  # 32 <= 2 x 16
 
 
 def test_a_dp_width_other_than_the_captured_one_runs_eagerly():

@@ -39,8 +39,8 @@ def attention_scope(config: BcgConfig) -> str:
              else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones)")
     return (f"inside the graph in {where}, where SGLang runs the flashinfer attention backend without DP "
             "attention, sliding-window or cross attention, a step holding more requests than the buckets were "
-            "captured for running eagerly; an eager break on other backends; the capture logs its choice by "
-            "bucket range")
+            "captured for replaying in the next bucket that breaks, or eagerly; an eager break on other "
+            "backends; the capture logs its choice by bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

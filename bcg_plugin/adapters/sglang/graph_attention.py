@@ -7,7 +7,8 @@ zero-length ones) whose plan (the backend's ``init_forward_metadata_out_graph`` 
 replay the live batch's per-request vectors land in ``r``-long buffers, zeros after its real
 requests, and the same plan refills those wrappers from a view of the batch padded to ``r``: the
 captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
-requests. A step with more requests runs eagerly (counted).
+requests. A step with more requests replays in the next larger bucket that breaks, or where none
+does runs eagerly (counted).
 
 Its kernels are those of SGLang's full graphs, not eager's (a paged prefill over every token where
 eager runs a ragged one over the new tokens), so its outputs are held to full's, not to eager's.

@@ -178,10 +178,13 @@ class BcgPrefillRunner:
         if bucket is None:
             return False
         if bucket in self.core.graph_attention and not self.host.graph.fits(forward_batch):
-            # More requests than the bucket's attention was captured for; not under DP attention
-            # (graph attention declines it), so no other rank waits on this one's choice.
-            self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
-            return False
+            # More requests than the bucket's attention was captured for (a mixed step's decodes
+            # count as requests): the next bucket that breaks takes any count. Not under DP
+            # attention (graph attention declines it), so no other rank waits on this one's choice.
+            bucket = self._breaking_bucket_above(bucket, len(forward_batch.input_ids))
+            if bucket is None:
+                self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+                return False
         self._planned = (forward_batch, bucket)
         return True
 
@@ -202,6 +205,14 @@ class BcgPrefillRunner:
         return self.core.replay(bucket, batch)
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _breaking_bucket_above(self, bucket: int, num_tokens: int) -> int | None:
+        """The smallest bucket above ``bucket`` whose attention breaks, where the padding policy lets
+        ``num_tokens`` replay in it; ``None`` if there is none (every bucket under ``graph``)."""
+        above = [b for b in self.core.buckets if b > bucket and b not in self.core.graph_attention]
+        if above and padding_allows(above[0], num_tokens, self.core.config.max_padding_ratio):
+            return above[0]
+        return None
 
     def _refuses_unknown(self, unknown: dict[str, Any], method: str) -> bool:
         """Whether SGLang passed keyword arguments this runner does not know (then: eager)."""
