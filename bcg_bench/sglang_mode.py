@@ -13,7 +13,8 @@ schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); s
 ``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
 A ``bcg`` engine in which some scheduler's capture record shows SGLang's own runner, or bcg's with no
 bucket captured, ends the process with one line before any request: its figures would be SGLang's;
-so does a ``bcg_graph`` engine whose buckets all kept attention an eager break: they would be ``bcg``'s.
+so does a ``bcg_graph`` engine whose buckets all kept attention an eager break (its figures would be
+``bcg_break``'s), or a ``bcg_break`` engine with a bucket that kept it inside.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def mode_problem(mode: str, installed: str | None) -> str | None:
     return f"mode {mode!r}: SGLang removed it in {gone} (installed: {installed}); run {instead}"
 
 
-def bcg_problem(captures: list[dict], graph: bool = False) -> str | None:
-    """Why a ``bcg`` engine's figures would not be bcg's (``captures``: its schedulers' capture
+def bcg_problem(captures: list[dict], attention: str = "auto") -> str | None:
+    """Why a bcg engine's figures would not be its mode's (``captures``: its schedulers' capture
     records), or ``None``: every scheduler must have built bcg's runner and captured a bucket, and
-    with ``graph`` kept attention inside the graph in at least one."""
+    under ``attention`` ``"graph"`` kept attention inside the graph in at least one, under
+    ``"break"`` in none."""
     if not captures:
         return "no scheduler recorded a prefill-graph capture, so bcg's runner never ran"
     for c in captures:
@@ -66,9 +68,12 @@ def bcg_problem(captures: list[dict], graph: bool = False) -> str | None:
             what = f"SGLang's own prefill runner ({c.get('runner')}) was built"
         elif c["bcg_buckets"] == 0:
             what = "bcg's runner captured no bucket"
-        elif graph and not c.get("bcg_graph_attention_buckets"):
+        elif attention == "graph" and not c.get("bcg_graph_attention_buckets"):
             return (f"on rank {c.get('rank', 0)} every bucket kept attention an eager break, so the figures would "
-                    "be bcg's with attention breaking; the scheduler log's 'bcg' warning says why")
+                    "be bcg_break's; the scheduler log's 'bcg' warning says why")
+        elif attention == "break" and c.get("bcg_graph_attention_buckets"):
+            return (f"on rank {c.get('rank', 0)} some buckets kept attention inside the graph, so the figures "
+                    "would not be bcg_break's")
         else:
             continue
         return (f"on rank {c.get('rank', 0)} {what}, so the figures would be SGLang's without bcg; the "
@@ -123,7 +128,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         enable_dp_attention=dp > 1,
     )
     init_s = time.perf_counter() - t0
-    problem = bcg_problem(_records(record, "capture"), graph=mode == "bcg_graph") if mode in ATTENTION else None
+    problem = bcg_problem(_records(record, "capture"), ATTENTION[mode]) if mode in ATTENTION else None
     if problem is not None:  # the schedulers wrote their capture records before the engine came up
         engine.shutdown()
         raise SystemExit(f"bench {mode}: {problem}")

@@ -571,7 +571,7 @@ def test_the_commit_is_read_from_a_linked_worktree_as_from_a_plain_checkout(tmp_
 
 
 def test_sglang_runs_bcg_graph_only_when_named():
-    """Attention inside bcg's graph on SGLang is experimental and needs flashinfer: a default run leaves it out."""
+    """bcg with attention inside every bucket needs flashinfer on SGLang: a default run leaves it out."""
     import argparse
 
     from bcg_bench import cli

@@ -513,6 +513,11 @@ def test_sglang_soak(soak_dir):
     _need_gpus(TP)
     import test_sglang_gpu as reference_check  # its check functions; imports sglang
 
+    if reference_check.GRAPH_ATTENTION:
+        pytest.skip("the soak's reference is eager prefill, which flashinfer's attention inside bcg's graph does "
+                    "not match bit for bit (other kernels; the engine suite holds it to SGLang's full graphs): "
+                    "soak flashinfer with BCG_ATTENTION=break")
+
     seconds = soak.soak_seconds()
     if MODEL == "qwen3-0.6b":  # scaled random weights, as in test_sglang_gpu (written on the CPU)
         model_path = str(reference_check.write_scaled_checkpoint(soak_dir / "qwen3-0.6b-scaled", device="cpu"))

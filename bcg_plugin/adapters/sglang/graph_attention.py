@@ -37,7 +37,8 @@ MIN_REQUEST_SLOTS = 64
 # The largest bucket "auto" keeps attention inside the graph for. Up to it the flashinfer break's
 # host time (its wrapper's Python, once per layer) exceeds the step's GPU work, which one replay
 # hides; above it an eager ragged prefill sized for the live batch beats the paged one captured for
-# the bucket's worst case (docs/benchmarks.md: bcg against bcg_break and full on SGLang 0.5.23).
+# the bucket's worst case (docs/benchmarks.md: bcg against bcg_break and full on SGLang 0.5.23, measured
+# on the Qwen3-0.6B shape; a larger model's GPU work hides the break from fewer tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
 
 
@@ -159,7 +160,7 @@ class GraphAttention:
         if attention == "break":
             return None
         if self.reason is not None:
-            # Warned only where asked for: under "auto" other backends simply break, as before.
+            # A warning only where "graph" was asked for: under "auto" breaking is the expected outcome.
             (logger.warning if attention == "graph" else logger.info)(
                 "bcg: attention stays an eager break in every bucket: %s", self.reason)
             return None

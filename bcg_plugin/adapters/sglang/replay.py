@@ -181,9 +181,9 @@ class BcgPrefillRunner:
             # More requests than the bucket's attention was captured for (a mixed step's decodes
             # count as requests): the next bucket that breaks takes any count. Not under DP
             # attention (graph attention declines it), so no other rank waits on this one's choice.
-            bucket = self._breaking_bucket_above(bucket, len(forward_batch.input_ids))
+            bucket, reason = self._breaking_bucket_above(bucket, len(forward_batch.input_ids))
             if bucket is None:
-                self.core.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+                self.core.record_fallback(reason)
                 return False
         self._planned = (forward_batch, bucket)
         return True
@@ -206,13 +206,15 @@ class BcgPrefillRunner:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _breaking_bucket_above(self, bucket: int, num_tokens: int) -> int | None:
-        """The smallest bucket above ``bucket`` whose attention breaks, where the padding policy lets
-        ``num_tokens`` replay in it; ``None`` if there is none (every bucket under ``graph``)."""
+    def _breaking_bucket_above(self, bucket: int, num_tokens: int) -> tuple[int | None, Fallback | None]:
+        """The smallest bucket above ``bucket`` whose attention breaks, or ``None`` and why not: there
+        is none (every bucket under ``graph``), or the padding limit keeps ``num_tokens`` out of it."""
         above = [b for b in self.core.buckets if b > bucket and b not in self.core.graph_attention]
-        if above and padding_allows(above[0], num_tokens, self.core.config.max_padding_ratio):
-            return above[0]
-        return None
+        if not above:
+            return None, Fallback.FEATURE_NOT_CAPTURED
+        if not padding_allows(above[0], num_tokens, self.core.config.max_padding_ratio):
+            return None, Fallback.PADDING_RATIO
+        return above[0], None
 
     def _refuses_unknown(self, unknown: dict[str, Any], method: str) -> bool:
         """Whether SGLang passed keyword arguments this runner does not know (then: eager)."""
