@@ -34,11 +34,12 @@ GRAPH_BACKEND = ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAt
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
 MIN_REQUEST_SLOTS = 64
-# The largest bucket "auto" keeps attention inside the graph for. Up to it the flashinfer break's
-# host time (its wrapper's Python, once per layer) exceeds the step's GPU work, which one replay
-# hides; above it an eager ragged prefill sized for the live batch beats the paged one captured for
-# the bucket's worst case (docs/benchmarks.md: bcg against bcg_break and full on SGLang 0.5.23, measured
-# on the Qwen3-0.6B shape; a larger model's GPU work hides the break from fewer tokens on).
+# The largest bucket "auto" keeps attention inside the graph for. Up to it the host time of the
+# flashinfer breaks (the wrapper's Python, once per layer) is not hidden behind the step's GPU work,
+# and a graph without them is faster; above it an eager ragged prefill sized for the live batch beats
+# the paged one captured for the bucket's worst case (docs/benchmarks.md: bcg against bcg_break and
+# full on SGLang 0.5.23, measured on the Qwen3-0.6B shape; a larger model's GPU work hides the breaks
+# from fewer tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
 
 
