@@ -6,6 +6,8 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,15 +43,34 @@ def _checkout_head(start: Path) -> str | None:
     return None
 
 
+def _tracked_files_changed(start: Path) -> bool:
+    """Whether ``git status`` reports changes to tracked files in the checkout holding ``start``
+    (``False`` where git is missing or cannot say): such a tree is not the commit its ``HEAD`` names."""
+    git = shutil.which("git")
+    if git is None:
+        return False
+    try:
+        status = subprocess.run([git, "-C", str(start), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return status.returncode == 0 and bool(status.stdout.strip())
+
+
 def plugin_source() -> dict:
     """The bcg-plugin release and the commit of the tree that ran: ``GIT_COMMIT`` where the tree
-    was copied without its git folder (as onto a GPU host), else the checkout's own ``HEAD``;
-    ``None`` where neither is known."""
+    was copied without its git folder (as onto a GPU host), else the checkout's own ``HEAD``,
+    marked ``-dirty`` where tracked files differ from it; ``None`` where neither is known."""
     try:
         version = importlib.metadata.version("bcg-plugin")
     except importlib.metadata.PackageNotFoundError:
         version = None
-    commit = os.environ.get("GIT_COMMIT") or _checkout_head(Path(__file__).resolve().parent)
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        here = Path(__file__).resolve().parent
+        commit = _checkout_head(here)
+        if commit and _tracked_files_changed(here):
+            return {"bcg_plugin": version, "commit": commit[:12] + "-dirty"}
     return {"bcg_plugin": version, "commit": commit[:12] if commit else None}
 
 

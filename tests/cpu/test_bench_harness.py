@@ -547,6 +547,31 @@ def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
     assert ", torch 2.11.0. bcg-plugin 9.9.9 at 0123abcd. One request" in harness.to_markdown(result).splitlines()[2]
 
 
+@pytest.mark.skipif(not __import__("shutil").which("git"), reason="needs the git command")
+def test_a_tree_whose_tracked_files_differ_from_its_commit_is_marked_dirty(tmp_path, monkeypatch):
+    """A result names the commit of the tree that ran; a checkout whose HEAD is not that tree (edited
+    files, or a copied tree beside an older git folder) must not pass for it."""
+    from bcg_bench import report
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "bcg_bench").mkdir()
+    (tmp_path / "bcg_bench" / "report.py").write_text("a = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "c")
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    monkeypatch.setattr(report, "__file__", str(tmp_path / "bcg_bench" / "report.py"))
+    head = report._checkout_head(tmp_path)
+    assert report.plugin_source()["commit"] == head[:12]
+    (tmp_path / "bcg_bench" / "report.py").write_text("a = 2\n")
+    assert report.plugin_source()["commit"] == head[:12] + "-dirty"
+    monkeypatch.setenv("GIT_COMMIT", "f" * 40)  # the tree was named by whoever copied it
+    assert report.plugin_source()["commit"] == "f" * 12
+
+
 def test_the_commit_is_read_from_a_linked_worktree_as_from_a_plain_checkout(tmp_path):
     """``git worktree add`` leaves a ``.git`` file naming the worktree's folder under the main
     checkout's ``.git``, whose ``commondir`` holds the branches."""
