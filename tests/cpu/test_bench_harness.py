@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from bcg_bench import harness
+from bcg_bench import report
 from bcg_bench.report import run_stamp
 
 
@@ -129,6 +130,7 @@ def test_parallel_layout_reaches_every_mode_and_names_the_result(tmp_path, monke
             return "", "no engine here"
 
     monkeypatch.setattr(harness.subprocess, "Popen", Failed)
+    monkeypatch.setattr(report, "_tracked_files_changed", lambda start: False)  # spawns git
     monkeypatch.setattr(harness, "end_group", ended.append)
     monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
     path = harness.run("sglang", "qwen3-8b", [16], ["native", "bcg"], tmp_path, 10, tp=2)
@@ -156,6 +158,7 @@ def test_an_attention_backend_reaches_every_mode_and_a_non_default_one_names_the
             return "", "no engine here"
 
     monkeypatch.setattr(harness.subprocess, "Popen", Failed)
+    monkeypatch.setattr(report, "_tracked_files_changed", lambda start: False)  # spawns git
     monkeypatch.setattr(harness, "end_group", lambda proc: None)
     monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
     path = harness.run("sglang", "qwen3-0.6b", [16], ["full", "bcg"], tmp_path, 10)
@@ -467,6 +470,7 @@ def test_a_bench_stopped_while_a_mode_runs_ends_that_modes_processes(monkeypatch
             raise KeyboardInterrupt
 
     monkeypatch.setattr(harness.subprocess, "Popen", Running)
+    monkeypatch.setattr(report, "_tracked_files_changed", lambda start: False)  # spawns git
     monkeypatch.setattr(harness, "end_group", lambda proc: ended.append(proc.pid))
     with pytest.raises(KeyboardInterrupt):
         harness.run_mode("vllm", "bcg", "qwen3-0.6b", [16], 60)
@@ -531,13 +535,12 @@ def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, 
 
 def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
     """A copied tree without git (a GPU host) is named by GIT_COMMIT; the report's header carries it."""
-    from bcg_bench import report
-
     monkeypatch.setenv("GIT_COMMIT", "0123abcd")
     monkeypatch.setattr(report.importlib.metadata, "version", lambda name: "9.9.9")
     assert report.plugin_source() == {"bcg_plugin": "9.9.9", "commit": "0123abcd"}
     result = _vllm_result({"bcg": {"e2e_ms": {"16": 4.0}}}, [16])
     monkeypatch.delenv("GIT_COMMIT")
+    monkeypatch.setattr(report, "_tracked_files_changed", lambda start: False)  # an edited tree: its own test
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(report.__file__).parent, capture_output=True,
                           text=True).stdout.strip()
     assert head and report.plugin_source()["commit"] == head[:12]  # read from the checkout's own files
@@ -551,8 +554,6 @@ def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
 def test_a_tree_whose_tracked_files_differ_from_its_commit_is_marked_dirty(tmp_path, monkeypatch):
     """A result names the commit of the tree that ran; a checkout whose HEAD is not that tree (edited
     files, or a copied tree beside an older git folder) must not pass for it."""
-    from bcg_bench import report
-
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
                        check=True, capture_output=True)
@@ -575,8 +576,6 @@ def test_a_tree_whose_tracked_files_differ_from_its_commit_is_marked_dirty(tmp_p
 def test_the_commit_is_read_from_a_linked_worktree_as_from_a_plain_checkout(tmp_path):
     """``git worktree add`` leaves a ``.git`` file naming the worktree's folder under the main
     checkout's ``.git``, whose ``commondir`` holds the branches."""
-    from bcg_bench import report
-
     main = tmp_path / "main" / ".git"
     (main / "refs" / "heads").mkdir(parents=True)
     (main / "refs" / "heads" / "topic").write_text("a" * 40 + "\n")
