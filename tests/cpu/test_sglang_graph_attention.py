@@ -147,7 +147,7 @@ def test_more_requests_than_slots_are_refused():
 # -- the choice, once per runner ----------------------------------------------------------------
 
 
-def test_graph_keeps_attention_inside_every_bucket_auto_the_small_ones_and_break_none(caplog):
+def test_graph_keeps_attention_inside_every_bucket_auto_the_small_ones_and_break_none():
     buckets = [16, 512, 576, 1024, 2048, 8192]
     assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "graph") == buckets
     runner = model_runner()

@@ -424,7 +424,7 @@ def runs(checkpoint):
     spread = spread_of(eager["results"] + eager["probes"])
     print(f"[bcg gpu] eager logprob spread {spread:.4g}; tolerance {TOL} x spread "
           f"at quantile {error_quantile()} of each request's positions; reference: {REFERENCE}")
-    runs = {"eager": eager, REFERENCE: reference, "reference": reference, "bcg": bcg, "stale": stale,
+    runs = {"eager": eager, REFERENCE: reference, "bcg": bcg, "stale": stale,
             "stale_store": stale_store, f"{REFERENCE}_again": again, "spread": spread}
     if REFERENCE != "eager":  # how far the host's own mode is from eager, for the record
         compare(runs, REFERENCE, against="eager")
@@ -436,7 +436,7 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     eager_graph = [f for f in runs["eager"]["forwards"] if f["graph"]]
     assert not eager_graph, "the eager engine replayed prefill graphs"
     if REFERENCE != "eager":  # a step the reference ran eagerly would compare bcg with eager prefill again
-        forwards = runs["reference"]["forwards"]
+        forwards = runs[REFERENCE]["forwards"]
         not_replayed = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= INSIDE_TOKENS]
         print(f"[bcg gpu] {REFERENCE} engine: {sum(f['graph'] for f in forwards)} of {len(forwards)} extend "
               f"forwards replayed")
@@ -471,15 +471,13 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
     inside = capture["bcg_graph_attention_buckets"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
           f"{capture['bcg_buckets']} buckets")
-    if ATTENTION == "graph" and GRAPH_ATTENTION:
-        assert len(inside) == capture["bcg_buckets"] > 0
-    elif GRAPH_ATTENTION:
-        from bcg_plugin.ladder import reference_ladder
+    from bcg_plugin.ladder import reference_ladder
 
-        assert inside == [n for n in reference_ladder(CHUNK) if n <= INSIDE_TOKENS]
-        assert capture["bcg_buckets"] > len(inside) or INSIDE_TOKENS == TOP_BUCKET  # the larger buckets break
-    else:
-        assert inside == []
+    assert inside == [n for n in reference_ladder(CHUNK) if n <= INSIDE_TOKENS]
+    if INSIDE_TOKENS == TOP_BUCKET:
+        assert len(inside) == capture["bcg_buckets"]
+    else:  # the larger buckets break
+        assert capture["bcg_buckets"] > len(inside)
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
@@ -492,14 +490,14 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
     assert capture["bcg_store_in_graph_layers"] == (layers if SEGMENT_STORE else 0)
 
 
-def compare(runs: dict, name: str, against: str = "reference") -> list[float]:
+def compare(runs: dict, name: str, against: str = REFERENCE) -> list[float]:
     """Every request's and probe's error of run ``name`` against run ``against``, printed."""
     spread, ref = runs["spread"], runs[against]
     errs = errors(runs[name]["results"], ref["results"], spread)
     probe_errs = errors(runs[name]["probes"], ref["probes"], spread)
     worst_max = max(request_error(g, r, spread, quantile=1.0) for run in ("results", "probes")
                     for g, r in zip(runs[name][run], ref[run]))
-    label = name if against == "reference" else f"{name} against {against}"
+    label = name if against == REFERENCE else f"{name} against {against}"
     print(f"[bcg gpu] {label}: {len(errs)} requests + {len(probe_errs)} probes: worst {max(errs + probe_errs):.4f}, "
           f"median {statistics.median(errs):.4f}, beyond TOL {sum(e > TOL for e in errs + probe_errs)}; "
           f"worst single position {worst_max:.4f} (x spread)")
@@ -522,7 +520,7 @@ def test_reference_again_passes_the_same_check(runs):
 def stale_probe_errors(runs: dict, name: str) -> list[float]:
     """The probes' errors of the faulted run ``name`` against the reference; it must have replayed."""
     assert any(f["graph"] for f in runs[name]["forwards"]), f"the {name} engine never replayed"
-    pairs = [(g, r) for g, r, q in zip(runs[name]["probes"], runs["reference"]["probes"], probe_requests())
+    pairs = [(g, r) for g, r, q in zip(runs[name]["probes"], runs[REFERENCE]["probes"], probe_requests())
              if q.get("probe")]
     errs = [request_error(g, r, runs["spread"]) for g, r in pairs]
     print(f"[bcg gpu] {name} probe errors (x spread): {[round(e, 3) for e in errs]}")
