@@ -138,24 +138,36 @@ def captured_then_break(query: torch.Tensor, key: torch.Tensor | None, value: to
                         output: torch.Tensor, save_kv_cache: bool, layer_id: int, *args: Any,
                         **kwargs: Any) -> None:
     """What RadixAttention's breakable op becomes under bcg's capture: key and value made
-    contiguous inside the captured segment, the KV-cache store too where it can be captured
+    contiguous inside the captured segment where the backend would copy them anyway
+    (:func:`copies_key_value`), the KV-cache store there too where it can be captured
     (:func:`stores_in_segment`), then the eager break.
 
-    Key and value arrive as strided views of the fused QKV projection, and the extend backends copy
+    Key and value arrive as strided views of the fused QKV projection. The triton backend copies
     them to contiguous tensors on every call: two launches per layer at every replay, which the
-    segment now does instead (the backend's own ``contiguous()`` is then a no-op). In the segment
-    the store leaves the break only the attention kernel.
+    segment does instead (the backend's own ``contiguous()`` is then a no-op). flashinfer and fa3
+    read and store them strided, so there they pass as they are: a copy would add two passes over
+    the step's keys and values per layer that SGLang's own modes never run. In the segment the
+    store leaves the break only the attention kernel.
     """
-    key = None if key is None else key.contiguous()
-    value = None if value is None else value.contiguous()
+    fwd: ForwardPass = live.current().payload
+    if copies_key_value(fwd.attn_backend):
+        key = None if key is None else key.contiguous()
+        value = None if value is None else value.contiguous()
     if save_kv_cache and key is not None and value is not None:
-        fwd: ForwardPass = live.current().payload
         if stores_in_segment(fwd, layer_id, key.shape[0]):
             layer = fwd.attention_layers[layer_id]
             fwd.attn_backend.token_to_kv_pool.set_kv_buffer(layer, _write_loc(fwd.forward_batch), key, value)
             fwd.stored_in_graph.add(layer_id)
             save_kv_cache = False
     return bcg_attention(query, key, value, output, save_kv_cache, layer_id, *args, **kwargs)
+
+
+def copies_key_value(backend: Any) -> bool:
+    """Whether ``backend``'s extend attention copies strided key and value to contiguous tensors on
+    every call (SGLang's triton backend does; flashinfer and fa3 read them strided)."""
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    return isinstance(backend, TritonAttnBackend)
 
 
 def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
