@@ -231,7 +231,8 @@ def _capture(backend_name="triton", *, bucket=16, real=5, **changes):
                                positions=torch.arange(bucket), out_cache_loc_is_physical=False)
     fwd = attention.ForwardPass(forward_batch=fb, attn_backend=backend, attention_layers=[layer])
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(bucket, HEADS, HEAD_DIM, generator=gen) for _ in range(3))
+    # Strided views of one fused projection, as the model hands them over (flashinfer stores them so).
+    q, k, v = torch.randn(bucket, 3, HEADS, HEAD_DIM, generator=gen).unbind(1)
     return live.LiveBatch(num_tokens=bucket, bucket=bucket, payload=fwd), pool, q, k, v
 
 

@@ -6,12 +6,12 @@ in a fresh interpreter, as SGLang's own spawned schedulers do, so this process s
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
-import importlib
 import inspect
 import textwrap
 import types

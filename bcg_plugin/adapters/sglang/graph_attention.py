@@ -37,9 +37,9 @@ MIN_REQUEST_SLOTS = 64
 # The largest bucket "auto" keeps attention inside the graph for. Up to it the host time of the
 # flashinfer breaks (the wrapper's Python, once per layer) is not hidden behind the step's GPU work,
 # and a graph without them is faster; above it an eager ragged prefill sized for the live batch beats
-# the paged one captured for the bucket's worst case (docs/benchmarks.md: bcg against bcg_break and
-# full on SGLang 0.5.23, measured on the Qwen3-0.6B shape; a larger model's GPU work hides the breaks
-# from fewer tokens on).
+# the paged one captured for the bucket's worst case (docs/benchmarks.md: SGLang 0.5.23 on flashinfer,
+# and its earlier run of bcg against bcg_break and full, on the Qwen3-0.6B shape; a larger model's GPU
+# work hides the breaks from fewer tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
 
 
