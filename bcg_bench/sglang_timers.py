@@ -4,8 +4,9 @@ They are two SGLang ``HookRegistry`` hooks, installed only in the schedulers of 
 :func:`start_engine` starts, never by bcg's plugin:
 
 * ``ModelRunner.forward`` (AROUND): each extend forward, and an idle DP-attention rank's forward
-  while another rank extends, appends ``{"kind": "forward", "tokens", "ms", "host_ms", "rank",
-  "graph", "across_dp"}`` to the record file: ``ms`` from CUDA events, ``host_ms`` the host time
+  while another rank extends, appends ``{"kind": "forward", "tokens", "requests", "ms", "host_ms",
+  "rank", "graph", "across_dp"}`` to the record file: ``requests`` the step's requests (a mixed
+  step's decodes among them), ``ms`` from CUDA events, ``host_ms`` the host time
   spent issuing the forward, ``across_dp`` SGLang's replicated per-DP-rank token counts (``None``
   without DP attention). The synchronisation it adds makes it unfit for serving. With
   ``bcg bench --profile N``, the first N-token forward once the bench arms the profiler
@@ -81,6 +82,7 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     if not path or not (mode.is_extend() or idle_in_extend):
         return original_fn(self, forward_batch, *args, **kwargs)
     tokens = len(forward_batch.input_ids)
+    requests = int(getattr(forward_batch, "batch_size", 0) or 0)
     across = getattr(forward_batch, "global_num_tokens_cpu", None)  # read before the forward pads it
     across_dp = [int(n) for n in across] if across is not None else None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -96,7 +98,8 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if profiler is not None and profiler.summary is not None and not profiled_before:
         append_record(path, {"kind": "host_profile", "rank": rank, **profiler.summary})
-    append_record(path, {"kind": "forward", "tokens": tokens, "ms": start.elapsed_time(end), "host_ms": host_ms,
+    append_record(path, {"kind": "forward", "tokens": tokens, "requests": requests,
+                         "ms": start.elapsed_time(end), "host_ms": host_ms,
                          "rank": rank, "graph": bool(getattr(out, "can_run_graph", False)), "across_dp": across_dp})
     return out
 

@@ -40,13 +40,15 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
     fb = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), is_extend_in_batch=extend_in_batch,
-                               input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3])
+                               input_ids=[] if mode == "IDLE" else [1, 2, 3], global_num_tokens_cpu=[0, 3],
+                               batch_size=0 if mode == "IDLE" else 2)
     out = sglang_timers.around_forward(lambda self, batch: types.SimpleNamespace(can_run_graph=True), None, fb)
     assert out.can_run_graph
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     assert len(records) == int(recorded)
     if recorded:
         assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
+        assert records[0]["requests"] == (0 if mode == "IDLE" else 2)
 
 
 @pytest.mark.usefixtures("fake_cuda_events")

@@ -31,7 +31,9 @@ bcg's eager break). With flashinfer and ``BCG_ATTENTION=graph`` (``ci/gpu-tests.
 attention stays inside bcg's graphs in every bucket, so there the controls' stale plan and stale
 store slots are read inside the graph. With flashinfer and ``auto`` (``sglang-flashinfer-auto``)
 it stays inside the buckets up to the adapter's limit, the controls' buckets among them, and
-breaks above; full's graphs then reach that limit only. With flashinfer and ``BCG_ATTENTION=break``
+breaks above; full's graphs then reach that limit only. Under ``auto`` two more engines (eager and
+bcg with ``REROUTE_SLOTS`` request slots) take one wave of more prompts than slots at once: the step
+must replay in the next larger bucket, which breaks, and match eager. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
 in the segment before it. On a backend whose break stores the KV cache (fa3) the stale-store
 control has nothing to make stale and is skipped.
@@ -226,8 +228,11 @@ def probe_requests(seed: int = SEED + 1) -> list[dict]:
 
 
 def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = TP, dp: int = DP,
-                  model: str = MODEL) -> dict:
-    """``sglang.Engine`` arguments for prefill mode ``mode`` in this layout (the soak's too)."""
+                  model: str = MODEL, prefill_graphs: dict | None = None) -> dict:
+    """``sglang.Engine`` arguments for prefill mode ``mode`` in this layout (the soak's too);
+    ``prefill_graphs``: SGLang's prefill graph settings (``full``'s are :func:`full_reference_graphs`)."""
+    if mode == "full":
+        prefill_graphs = full_reference_graphs(chunk)
     return dict(
         model_path=model_path,
         load_format="auto" if model == "qwen3-0.6b" else "dummy",
@@ -243,7 +248,7 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = T
         cuda_graph_backend_decode="disabled",
         mem_fraction_static=0.5,
         log_level="warning",
-        **({"cuda_graph_config": {"prefill": full_reference_graphs(chunk)}} if mode == "full" else {}),
+        **({"cuda_graph_config": {"prefill": prefill_graphs}} if prefill_graphs else {}),
     )
 
 
@@ -313,9 +318,10 @@ def generate(engine, reqs: list[dict], **routing) -> list[dict]:
     return [o["meta_info"] for o in out]
 
 
-def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], **env: str) -> dict:
+def run_engine(model_path: str, mode: str, waves: list[list[dict]], probes: list[dict], *,
+               layout: dict | None = None, **env: str) -> dict:
     record = Path(tempfile.mkdtemp(prefix="bcg-sglang-gpu-")) / "forwards.jsonl"
-    engine = start_engine(model_path, mode, env, record)
+    engine = start_engine(model_path, mode, env, record, **(layout or {}))
     try:
         results = [m for wave in waves for m in generate(engine, wave)]
         # One request per call: consecutive forwards in a known order, all on one DP rank (else
@@ -543,6 +549,50 @@ def test_stale_store_slots_fail_the_same_check(runs):
     errs = stale_probe_errors(runs, "stale_store")
     assert max(errs) > TOL, ("graphs storing the KV cache at stale slots passed the correctness check: "
                              "the check cannot see where the graph stores")
+
+
+# -- a step with more requests than graph attention's request slots -----------------------------
+
+# The suite's workload never sends more requests at once than graph attention's request slots (64),
+# so this test gives it REROUTE_SLOTS through SGLang's own full_prefill_max_req and sends
+# REROUTE_PROMPTS short prompts at once: a step of more requests than slots, in few enough tokens for
+# a bucket that keeps attention inside, which must replay in the next larger bucket that breaks.
+REROUTE_SLOTS = 4
+REROUTE_PROMPTS = 12
+
+
+def reroute_wave(seed: int = SEED + 3) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"ids": [rng.randrange(100, 150000) for _ in range(rng.randint(8, 32))], "start": 0, "out": 4}
+            for _ in range(REROUTE_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def reroute_runs(checkpoint, runs):
+    if not GRAPH_ATTENTION or INSIDE_TOKENS == TOP_BUCKET or DP > 1:
+        pytest.skip("needs buckets that keep attention inside and larger ones that break "
+                    "(flashinfer with BCG_ATTENTION=auto, no DP attention)")
+    wave = reroute_wave()
+    assert sum(len(r["ids"]) for r in wave) <= INSIDE_TOKENS
+    eager = run_engine(checkpoint, "disabled", [wave], [])
+    bcg = run_engine(checkpoint, "bcg", [wave], [], layout={"prefill_graphs": {"full_prefill_max_req": REROUTE_SLOTS}})
+    return {"eager": eager, "bcg": bcg, "spread": runs["spread"]}
+
+
+def test_a_step_with_more_requests_than_the_slots_replays_in_a_breaking_bucket(reroute_runs):
+    """Under ``auto``, a step whose requests outnumber graph attention's request slots replays in the
+    next larger bucket that breaks, not eagerly: a bucket that keeps attention inside cannot hold it,
+    so a replay of it is that reroute. A breaking bucket runs eager's kernels, so it matches eager
+    prefill within the module's tolerance; the module's stale controls show that check can fail."""
+    forwards = reroute_runs["bcg"]["forwards"]
+    rerouted = [f for f in forwards if f["requests"] > REROUTE_SLOTS and f["tokens"] <= INSIDE_TOKENS]
+    print(f"[bcg gpu] reroute: {len(rerouted)} steps of more than {REROUTE_SLOTS} requests within "
+          f"{INSIDE_TOKENS} tokens: {[(f['requests'], f['tokens'], f['graph']) for f in rerouted]}")
+    assert rerouted, f"no step held more than {REROUTE_SLOTS} requests within {INSIDE_TOKENS} tokens: {forwards}"
+    assert all(f["graph"] for f in rerouted), "a step of more requests than the slots ran eagerly"
+    errs = errors(reroute_runs["bcg"]["results"], reroute_runs["eager"]["results"], reroute_runs["spread"])
+    print(f"[bcg gpu] reroute against eager: {len(errs)} requests: worst {max(errs):.4f} (x spread)")
+    assert max(errs) <= TOL, sorted(errs)[-5:]
 
 
 # -- DP attention on a dense model: a rank with fewer tokens than the DP-wide bucket ------------
