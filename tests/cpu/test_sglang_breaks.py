@@ -236,6 +236,28 @@ def _capture(backend_name="triton", *, bucket=16, real=5, **changes):
     return live.LiveBatch(num_tokens=bucket, bucket=bucket, payload=fwd), pool, q, k, v
 
 
+@pytest.mark.parametrize("backend_name", ["triton", "flashinfer", "other"])
+def test_key_and_value_reach_the_break_contiguous_only_where_the_backend_would_copy_them(backend_name, monkeypatch):
+    """triton copies strided keys and values on every call, so the segment does it instead; flashinfer
+    (and any other backend) reads them strided, and a copy would be GPU work SGLang never runs."""
+    seen = {}
+    monkeypatch.setattr(attention, "bcg_attention", lambda q, k, v, out, *a, **kw: seen.update(k=k, v=v, rest=(a, kw)))
+    qkv = torch.arange(4 * 12, dtype=torch.float32).view(4, 12)
+    q, k, v = qkv.split([4, 4, 4], dim=-1)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    # Only the backend's type is read before the store check.
+    backend = object() if backend_name == "other" else object.__new__(_backend_class(backend_name))
+    fwd = attention.ForwardPass(forward_batch=None, attn_backend=backend, attention_layers=[])
+    with live.bound(live.LiveBatch(num_tokens=4, bucket=4, payload=fwd)):
+        attention.captured_then_break(q, k, v, torch.empty(4, 4), False, 3, key_value_num_tokens=None)
+    if backend_name == "triton":
+        assert seen["k"].is_contiguous() and seen["v"].is_contiguous()
+        assert torch.equal(seen["k"], k) and torch.equal(seen["v"], v)
+    else:
+        assert seen["k"] is k and seen["v"] is v
+    assert seen["rest"] == ((False, 3), {"key_value_num_tokens": None})
+
+
 @pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
 def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only_attends(backend_name):
     """On the triton and flashinfer backends and SGLang's plain MHA pool the store runs in the
