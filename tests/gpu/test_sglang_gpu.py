@@ -569,7 +569,7 @@ def reroute_wave(seed: int = SEED + 3) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reroute_runs(checkpoint, runs):
-    if not GRAPH_ATTENTION or INSIDE_TOKENS == TOP_BUCKET or DP > 1:
+    if not GRAPH_ATTENTION or INSIDE_TOKENS == TOP_BUCKET:  # GRAPH_ATTENTION holds only without DP attention
         pytest.skip("needs buckets that keep attention inside and larger ones that break "
                     "(flashinfer with BCG_ATTENTION=auto, no DP attention)")
     wave = reroute_wave()
