@@ -8,8 +8,9 @@ return values (break outputs must be out-parameters: pitfall 1) and raises on un
 
 * padded rows of every declared output are zeroed after each replayed call, so garbage never flows
   into the next segment (pitfall 6): inside a bucket's graph by the segment that follows the break
-  (:mod:`bcg_plugin.padding`), and by the break itself below the rows that segment covers (a
-  replay with no padded row there calls the break's own function, :func:`plain_call`);
+  (:mod:`bcg_plugin.padding`), and by the break itself below the rows that segment covers, which
+  in a GPU-bound bucket are all of them (a replay with no padded row there calls the break's own
+  function, :func:`plain_call`);
 * break arguments that live outside the runtime's pool are held strongly by the bucket, because
   the primitive replays with non-owning aliases (pitfall 2). Arguments inside the pool were
   written by an earlier segment of the same bucket, which replays right before the break;

@@ -12,7 +12,8 @@ data-parallel rank padded to its peers' bucket) has its rows ``[num_tokens, star
 breaks themselves, as before. A bucket whose attention is captured inline has no eager step left to
 do that, so its graph covers all its rows, ``[0, bucket)``, with flags of its own, for the breaks
 that still run eagerly there; the inline attention itself is not followed by a scrub
-(:mod:`bcg_plugin.breaks` says why).
+(:mod:`bcg_plugin.breaks` says why). A bucket of :data:`BREAKS_ZERO_FROM_TOKENS` rows or more whose
+attention breaks records no scrub at all: its breaks zero its padded rows themselves.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ from __future__ import annotations
 import torch
 
 from bcg_plugin.errors import BcgStateError
+
+# Buckets from this many rows up leave their padded rows to the breaks. Their forward is GPU-bound
+# (Qwen3-0.6B on an H200, vLLM and SGLang: 6.6-7.3 ms of device time to 2.6-4.5 ms of host time a
+# forward at 2048 tokens), so a padded replay's zero launches hide behind device work, while a scrub
+# in the graph costs device time on every replay, of batches that fill the bucket too (1.3% of it at
+# 2048 tokens, 0.6% at 8192: docs/benchmarks.md, "Padded rows"). Below it the forward is host-bound
+# and the scrub in the graph is the cheaper.
+BREAKS_ZERO_FROM_TOKENS = 2048
 
 
 class RowScrub:
@@ -54,13 +63,16 @@ class PaddedRows:
     Buckets' scrubbed ranges ``[start, bucket)`` tile ``[0, top)``, so each bucket owns its part of
     the flags and remembers the row count it last flagged for. ``whole``: buckets whose graph scrubs
     every row (no eager break is left to zero the rows below ``start``); each has flags of its own.
+    Any other bucket of :data:`BREAKS_ZERO_FROM_TOKENS` rows or more scrubs none: its range is empty
+    (``start == bucket``) and its capture records no scrub.
     """
 
     def __init__(self, buckets: list[int], device: torch.device, whole: frozenset[int] = frozenset()) -> None:
         top = buckets[-1]
         self._padded = torch.zeros(top, dtype=torch.bool, device=device)
         self._rows = torch.arange(top, dtype=torch.int32, device=device)
-        self._start = {b: 0 if b in whole else s for b, s in zip(buckets, [0, *buckets[:-1]])}
+        self._start = {b: 0 if b in whole else b if b >= BREAKS_ZERO_FROM_TOKENS else s
+                       for b, s in zip(buckets, [0, *buckets[:-1]])}
         self._flags = {b: torch.zeros(b, dtype=torch.bool, device=device) if b in whole else self._padded[self._start[b]:b]
                        for b in buckets}
         self._flagged_for = {bucket: bucket for bucket in buckets}  # all zeros: no row padded
@@ -70,8 +82,10 @@ class PaddedRows:
         """First row of ``bucket`` that its graph scrubs; the breaks zero padded rows below it."""
         return self._start[bucket]
 
-    def scrub(self, bucket: int) -> RowScrub:
-        """What ``bucket``'s capture records after each break."""
+    def scrub(self, bucket: int) -> RowScrub | None:
+        """What ``bucket``'s capture records after each break; ``None`` where its breaks zero every padded row."""
+        if self._start[bucket] == bucket:
+            return None
         self._scrubs[bucket] = RowScrub(self._start[bucket], bucket, self._flags[bucket])
         return self._scrubs[bucket]
 
@@ -79,7 +93,8 @@ class PaddedRows:
         """Flag rows ``num_tokens`` and up of ``bucket``'s range as padding, before its replay
         (nothing to launch where its graph reads no flag, or already reads these)."""
         scrub = self._scrubs.get(bucket)
-        if self._flagged_for[bucket] == num_tokens or (scrub is not None and not scrub.recorded):
+        if (self._start[bucket] == bucket or self._flagged_for[bucket] == num_tokens
+                or (scrub is not None and not scrub.recorded)):
             return
         torch.ge(self._rows[self._start[bucket]:bucket], num_tokens, out=self._flags[bucket])
         self._flagged_for[bucket] = num_tokens

@@ -241,3 +241,38 @@ def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(
         runner._capture_bucket(bucket, stream, warm=False)
     assert asked == [(32, True), (16, False)]
     assert captured == [(0, 32, True), (0, 16, False)]  # the top bucket scrubs below the next bucket too
+
+
+def test_a_breaking_bucket_from_breaks_zero_from_tokens_records_no_scrub_and_its_breaks_zero_its_padding(
+        fake_capture, recorded_ops):
+    """A GPU-bound bucket: no scrub in its graph, which every replay would pay for, a full one too; a
+    padded replay zeroes the rows in its breaks. Smaller buckets and graph-attention ones keep theirs."""
+    from bcg_plugin.padding import BREAKS_ZERO_FROM_TOKENS
+
+    @eager_break(outputs=("out",))
+    def attention(x, out):
+        n = live.current().num_tokens
+        out[:n].copy_(x[:n])
+
+    big = BREAKS_ZERO_FROM_TOKENS
+    buckets = [16, big - 16, big, big + 16]
+    rows = PaddedRows(buckets, torch.device("cpu"), whole=frozenset({big + 16}))
+    assert [rows.start(b) for b in buckets] == [0, 16, big, 0]
+    assert rows.scrub(big) is None and rows.scrub(big - 16) is not None and rows.scrub(big + 16) is not None
+    with recorded_ops() as ops:
+        rows.flag(big, 100)  # no flag its graph reads
+    assert ops.names == []
+
+    x, out = torch.full((big, 4), 7.0), torch.full((big, 4), float("nan"))
+    scrub_token = _capture_scrub.set(rows.scrub(big))
+    try:
+        with fake_capture() as capture, live.bound(live.LiveBatch(big, big)), recorded_ops() as ops:
+            attention(x, out)
+    finally:
+        _capture_scrub.reset(scrub_token)
+    assert "masked_fill_" not in ops.names
+    [(replay, args, kwargs)] = capture.recorded
+    out.fill_(float("nan"))
+    with live.bound(live.LiveBatch(big - 100, big, graph_scrub_start=rows.start(big))):
+        replay(*args, **kwargs)
+    assert out[: big - 100].eq(7).all() and out[big - 100 :].eq(0).all()

@@ -624,17 +624,27 @@ class _NanRowsAdapter(ToyAdapter):
         return out + 1
 
 
-def _padded_rows_after_replays(model, *, declared: bool) -> list[tuple[int, int, bool, bool]]:
+# Per ladder: its buckets, then the replays (tokens, bucket). In the 64-token bucket the graph scrubs
+# rows 32-63: padding inside them, an unpadded replay after a padded one (stale flags would zero real
+# rows), and 5 tokens, whose rows 5-31 the break zeroes. The 2048-token bucket is GPU-bound
+# (BREAKS_ZERO_FROM_TOKENS): its graph scrubs nothing and its break zeroes every padded row.
+PADDING_LADDERS = {
+    "graph-scrub": ((32, 64), [(40, 64), (64, 64), (40, 64), (5, 64), (17, 32), (32, 32), (50, 64)]),
+    "breaks-zero": ((1984, TOP), [(2000, TOP), (TOP, TOP), (2000, TOP), (5, TOP), (1900, 1984), (1984, 1984),
+                                  (2040, TOP)]),
+}
+
+
+def _padded_rows_after_replays(model, *, declared: bool, ladder: str) -> list[tuple[int, int, bool, bool]]:
     """Per replay (tokens, bucket): whether the real rows are the break's and the padded rows zeros
     (read from the runner's whole-bucket output, padded rows included)."""
+    sizes, replays = PADDING_LADDERS[ladder]
     adapter = _NanRowsAdapter(model, declared=declared)
-    runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=(32, 64)), chunk_size=TOP)
+    runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=sizes), chunk_size=TOP)
     runner.capture(progress=False)
     try:
         seen = []
-        # In the 64-token bucket the graph scrubs rows 32-63: padding inside them, an unpadded replay
-        # after a padded one (stale flags would zero real rows), and 5 tokens, whose rows 5-31 the break zeroes.
-        for n, bucket in [(40, 64), (64, 64), (40, 64), (5, 64), (17, 32), (32, 32), (50, 64)]:
+        for n, bucket in replays:
             ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
             runner.replay(bucket, adapter.batch(ids, [(FIRST_REAL_SLOT, 0, n)]))
             rows = runner._output[:bucket]
@@ -646,11 +656,12 @@ def _padded_rows_after_replays(model, *, declared: bool) -> list[tuple[int, int,
         runner.close()
 
 
-def test_padded_rows_of_break_outputs_are_zeros_at_every_replay(model):
-    seen = _padded_rows_after_replays(model, declared=True)
+@pytest.mark.parametrize("ladder", sorted(PADDING_LADDERS))
+def test_padded_rows_of_break_outputs_are_zeros_at_every_replay(model, ladder):
+    seen = _padded_rows_after_replays(model, declared=True, ladder=ladder)
     print(f"\n(tokens, bucket, real rows right, padded rows zeroed): {seen}")
     assert all(real and padded for *_, real, padded in seen), seen
     # Negative control: the same break without its output declared leaves the NaN in the padded rows.
-    control = _padded_rows_after_replays(model, declared=False)
+    control = _padded_rows_after_replays(model, declared=False, ladder=ladder)
     assert all(real for *_, real, _ in control), control
     assert [padded for n, bucket, _, padded in control] == [n == bucket for n, bucket, *_ in control], control
