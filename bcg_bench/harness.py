@@ -3,7 +3,7 @@
 Each engine's per-mode script (:mod:`bcg_bench.vllm_mode`, :mod:`bcg_bench.sglang_mode`) takes
 ``--mode --model --sizes --out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with
 ``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``; where
-the mode measured them, ``forward_host_ms``, ``weight_bytes``, ``vocab_weight_bytes`` and
+the mode measured them, ``forward_host_ms``, ``step_ms``, ``weight_bytes``, ``vocab_weight_bytes`` and
 ``copy_bandwidth_gbs`` (read by :func:`weight_floor` and :func:`break_cost`). This
 module runs the modes back to back, stamps the run (engine version, model shape, parallel layout,
 GPU, date) and writes
@@ -105,6 +105,7 @@ LATENCY_KEYS = {
     "ttft_ms": "Time to first token median ms (the engine's request metrics)",
     "forward_ms": "Model forward median ms (CUDA events)",
     "forward_host_ms": "Host time issuing the model forward, median ms",
+    "step_ms": "Worker step (model forward and sampling, to the sampled token), median ms",
 }
 
 

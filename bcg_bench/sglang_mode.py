@@ -6,7 +6,8 @@ piecewise graphs; SGLang removed it in 0.5.22), ``bcg`` (bcg's default, ``BCG_AT
 ``bcg_break`` and ``bcg_graph`` (bcg with attention an eager break, or inside its graphs where the
 backend allows it, in every bucket: ``BCG_ATTENTION=break`` and ``graph``). Per N: the median end-to-end
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
-and the median CUDA-event time of its prefill forward. Writes ``e2e_ms``, ``forward_ms``
+the median CUDA-event time of its prefill forward, and the median wall time of the worker's step
+around it (forward and sampling, ``step_ms``). Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
 :mod:`bcg_bench.harness`). Forward times and capture figures come from the bench's timers in the
 schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); so does
@@ -149,6 +150,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
             times[n].append((time.perf_counter() - s) * 1e3)
         # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
         measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
+        steps = [r for r in _records(record, "step", mark) if r.get("rank", 0) == 0]
         host_profile = None
         profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
         if profile_tokens:  # one extra request, in no median: the schedulers profile its forward
@@ -159,12 +161,15 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
     finally:
         engine.shutdown()
     e2e = {str(n): statistics.median(times[n]) for n in sizes}
-    fwd, fwd_host = {}, {}
+    fwd, fwd_host, step = {}, {}, {}
     for n in sizes:
         forwards = [r for r in measured if step_tokens(r) == n]
         if forwards:
             fwd[str(n)] = statistics.median(r["ms"] for r in forwards)
             fwd_host[str(n)] = statistics.median(r["host_ms"] for r in forwards)
+        worker = [r["ms"] for r in steps if r["tokens"] == n]
+        if worker:
+            step[str(n)] = statistics.median(worker)
     capture = (_records(record, "capture") or [{}])[-1]
     return {
         "mode": mode,
@@ -173,6 +178,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         "e2e_ms": e2e,
         "forward_ms": fwd,
         "forward_host_ms": fwd_host,
+        "step_ms": step,
         "init_s": init_s,
         "capture_s": capture.get("seconds", 0.0),
         "graph_mem_gib": capture.get("memory_gib", 0.0),

@@ -1,6 +1,6 @@
 """The SGLang bench's timers: what each scheduler's prefill forwards and prefill-graph capture cost.
 
-They are two SGLang ``HookRegistry`` hooks, installed only in the schedulers of an engine that
+They are three SGLang ``HookRegistry`` hooks, installed only in the schedulers of an engine that
 :func:`start_engine` starts, never by bcg's plugin:
 
 * ``ModelRunner.forward`` (AROUND): each extend forward, and an idle DP-attention rank's forward
@@ -12,6 +12,11 @@ They are two SGLang ``HookRegistry`` hooks, installed only in the schedulers of 
   ``bcg bench --profile N``, the first N-token forward once the bench arms the profiler
   (:func:`profile_arm_path`) runs under ``torch.profiler`` and appends ``{"kind": "host_profile",
   "rank", ...}`` (:mod:`bcg_bench.profile`).
+* ``TpModelWorker.forward_batch_generation`` (AROUND): each extend step the worker runs, the model
+  forward and the sampling after it, appends ``{"kind": "step", "tokens", "ms", "rank"}``: ``ms``
+  the wall time from the call to its sampled tokens on the device (it synchronises the stream). A
+  request's end-to-end time less its step is the scheduler's, the tokenizer manager's and the
+  transport's; the step less the forward is the worker's own (sampling, its batch bookkeeping).
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
@@ -21,7 +26,7 @@ How they reach the schedulers: SGLang starts each scheduler (and, under DP atten
 controller that starts them) with multiprocessing *spawn*, calling ``Engine.run_scheduler_process_func``,
 a class attribute SGLang provides for engines that customise their processes. The engine class of
 :func:`start_engine` sets it to :func:`run_scheduler_process`, which spawn pickles by reference, so
-each scheduler imports this module and runs that function: it registers the two hooks, then lets
+each scheduler imports this module and runs that function: it registers the three hooks, then lets
 SGLang load its plugins (bcg's among them) and apply every registered hook at once, then runs
 SGLang's own scheduler. Registering before the plugins load matters: bcg's plugin hooks
 ``capture_prefill_graph`` too, and ``HookRegistry`` builds a target's chain once, so a hook applied
@@ -43,6 +48,7 @@ from bcg_plugin.patches.sglang import GATE, Hook
 
 RECORD_ENV = "BCG_BENCH_RECORD"  # the file every scheduler appends its records to, one JSON object a line
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+STEP_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 CAPTURE_TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
 
 
@@ -104,6 +110,22 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     return out
 
 
+def around_step(original_fn, self, batch, *args, **kwargs):
+    path = record_path()
+    mode = getattr(batch, "forward_mode", None)  # None where the caller passed a ForwardBatch instead
+    if not path or mode is None or not mode.is_extend():
+        return original_fn(self, batch, *args, **kwargs)
+    import torch
+
+    t0 = time.perf_counter()
+    out = original_fn(self, batch, *args, **kwargs)
+    torch.cuda.current_stream().synchronize()
+    ms = (time.perf_counter() - t0) * 1e3
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    append_record(path, {"kind": "step", "tokens": int(batch.extend_num_tokens), "ms": ms, "rank": rank})
+    return out
+
+
 def after_capture_prefill_graph(result, *args, **kwargs):
     path = record_path()
     if not path:
@@ -140,6 +162,15 @@ FORWARD = Patch(
     upstream=NOT_FILED,
     remove_when="SGLang's device timer exposes per-forward prefill times to clients",
 )
+STEP = Patch(
+    target=STEP_TARGET,
+    how=Hook("AROUND", params=("self", "batch")),
+    make=lambda: around_step,
+    reason="benchmark only: wall time of the worker's extend steps, model forward and sampling",
+    hosts=str(GATE.supported),  # wherever the plugin itself runs
+    upstream=NOT_FILED,
+    remove_when="SGLang's request metrics split a request's time into scheduler, forward and sampling",
+)
 CAPTURE = Patch(
     target=CAPTURE_TARGET,
     how=Hook("AFTER", params=("model_runner", "eager_runner")),
@@ -149,7 +180,7 @@ CAPTURE = Patch(
     upstream=NOT_FILED,
     remove_when="SGLang reports graph memory/time per phase through get_server_info",
 )
-TIMERS = (FORWARD, CAPTURE)
+TIMERS = (FORWARD, STEP, CAPTURE)
 
 
 def is_installed(patch: Patch) -> bool:

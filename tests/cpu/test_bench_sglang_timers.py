@@ -17,6 +17,7 @@ import textwrap
 import types
 
 import pytest
+import torch
 
 pytest.importorskip("sglang")
 
@@ -49,6 +50,28 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
     if recorded:
         assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
         assert records[0]["requests"] == (0 if mode == "IDLE" else 2)
+
+
+@pytest.mark.parametrize("mode, recorded", [("EXTEND", True), ("MIXED", True), ("DECODE", False)])
+def test_step_records_cover_extend_steps_to_their_sampled_tokens(monkeypatch, tmp_path, mode, recorded):
+    """The worker's step around the forward: timed to the end of its device work (the stream is
+    synchronised), recorded for extend steps only, with the step's new tokens."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda: types.SimpleNamespace(synchronize=lambda: synced.append(True)))
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    batch = types.SimpleNamespace(forward_mode=getattr(ForwardMode, mode), extend_num_tokens=37)
+    assert sglang_timers.around_step(lambda self, b, **kw: ("result", kw), None, batch, pp_proxy_tensors=None) == (
+        "result", {"pp_proxy_tensors": None})
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    assert [(r["kind"], r["tokens"], r["rank"]) for r in records] == ([("step", 37, 0)] if recorded else [])
+    assert synced == ([True] if recorded else [])
+    # A worker called with a prepared ForwardBatch and no ScheduleBatch (speculative verify) passes through.
+    assert sglang_timers.around_step(lambda self, b, **kw: "verify", None, None, forward_batch="fb") == "verify"
+    assert len(path.read_text().splitlines() if path.exists() else []) == int(recorded)
 
 
 @pytest.mark.usefixtures("fake_cuda_events")
@@ -173,6 +196,35 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
     assert not list(tmp_path.glob("bcg-sglang-bench-*"))  # nor does the schedulers' record folder outlive it
 
 
+def test_a_mode_reports_the_median_step_of_rank_0_per_size(monkeypatch, tmp_path):
+    from bcg_bench import sglang_mode
+
+    record = {}
+    walls = iter([5.0, 9.0, 6.0, 7.0])  # rank 0's steps at 16 tokens, in request order
+
+    class FakeEngine:
+        def generate(self, input_ids, sampling_params):  # what each scheduler appends while serving it
+            n = len(input_ids)
+            sglang_timers.append_record(record["path"], {"kind": "forward", "tokens": n, "ms": 1.0,
+                                                         "host_ms": 0.5, "rank": 0, "across_dp": None})
+            for rank in (0, 1):
+                wall = next(walls) if rank == 0 else 100.0  # rank 1's step never stands for the request's
+                sglang_timers.append_record(record["path"], {"kind": "step", "tokens": n, "ms": wall, "rank": rank})
+            return {}
+
+        def shutdown(self):
+            pass
+
+    def start_engine(path, **kwargs):
+        record["path"] = str(path)
+        return FakeEngine()
+
+    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = sglang_mode.run("native", "qwen3-0.6b", [16], warmup=1, iters=3, seed=0)
+    assert result["step_ms"] == {"16": 7.0}  # the warm-up's step (5.0) is left out with its forward
+
+
 # -- how the timers reach the schedulers --------------------------------------------------------------
 
 
@@ -247,7 +299,8 @@ def test_a_bench_scheduler_has_the_timers_and_bcg_both_on_the_capture_it_shares(
     goes into the same chain: bcg stays active and the capture is timed."""
     seen = run_scheduler("timed", tmp_path)
     assert seen["args"] == ["server_args", "port_args"]  # SGLang's scheduler runs, with its arguments
-    assert seen["timers"] == sorted([sglang_timers.FORWARD_TARGET, sglang_timers.CAPTURE_TARGET])
+    assert seen["timers"] == sorted([sglang_timers.FORWARD_TARGET, sglang_timers.STEP_TARGET,
+                                     sglang_timers.CAPTURE_TARGET])
     assert seen["bcg_capture"] and seen["active"]
 
 
