@@ -128,7 +128,8 @@ class SegmentedGraph:
     There are two such tuples. In the usual replay the graph zeroes every padded row itself
     (:mod:`bcg_plugin.padding`), so each break is the host's own call, as in the host's breakable
     graphs. A batch padded below the graph's scrub (a data-parallel rank padded to its peers'
-    bucket) replays the breaks' recorded steps instead, which zero those rows after each call.
+    bucket, or any padded batch of a bucket whose graph scrubs no row) replays the breaks' recorded
+    steps instead, which zero those rows after each call.
     """
 
     def __init__(self, graph: BreakableCUDAGraph, holds: BreakArgumentHolds) -> None:

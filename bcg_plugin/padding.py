@@ -13,7 +13,7 @@ breaks themselves, as before. A bucket whose attention is captured inline has no
 do that, so its graph covers all its rows, ``[0, bucket)``, with flags of its own, for the breaks
 that still run eagerly there; the inline attention itself is not followed by a scrub
 (:mod:`bcg_plugin.breaks` says why). A bucket of :data:`BREAKS_ZERO_FROM_TOKENS` rows or more whose
-attention breaks records no scrub at all: its breaks zero its padded rows themselves.
+attention breaks scrubs no row in its graph: its breaks zero its padded rows themselves.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from bcg_plugin.errors import BcgStateError
 
 # Buckets from this many rows up leave their padded rows to the breaks. Their forward is GPU-bound
-# (Qwen3-0.6B on an H200, vLLM and SGLang: 6.6-7.3 ms of device time to 2.6-4.5 ms of host time a
-# forward at 2048 tokens), so a padded replay's zero launches hide behind device work, while a scrub
+# (Qwen3-0.6B on an H200, vLLM and SGLang's triton and flashinfer: 6.6-9.0 ms of device time to
+# 2.6-4.5 ms of host time a forward at 2048 tokens), so a padded replay's zero launches hide behind device work, while a scrub
 # in the graph costs device time on every replay, of batches that fill the bucket too (1.3% of it at
 # 2048 tokens, 0.6% at 8192: docs/benchmarks.md, "Padded rows"). Below it the forward is host-bound
 # and the scrub in the graph is the cheaper.
@@ -35,8 +35,8 @@ class RowScrub:
     """One bucket's scrub as its capture records it: zero the flagged rows in ``[start, stop)``.
 
     ``recorded``: how many times the capture recorded it (once per break with declared outputs
-    that ran eagerly); zero where every break of the bucket was captured inline, whose replays
-    then have no flags to set.
+    that ran eagerly); zero where every break of the bucket was captured inline, or where the range
+    is empty (its breaks zero every padded row), whose replays then have no flags to set.
     """
 
     __slots__ = ("start", "stop", "_padded", "recorded")
@@ -52,6 +52,8 @@ class RowScrub:
                 f"eager break output {name!r} has {out.shape[0]} rows in the capture of the {self.stop}-token "
                 f"bucket; a declared output must have one row per token of the bucket"
             )
+        if self.start == self.stop:
+            return
         self.recorded += 1
         mask = self._padded.view(-1, *([1] * (out.dim() - 1)))
         out[self.start : self.stop].masked_fill_(mask, 0)  # masked_fill, not a multiply: garbage may be NaN
@@ -60,11 +62,11 @@ class RowScrub:
 class PaddedRows:
     """The per-row flags every bucket's graph reads, and the rows each bucket's graph scrubs.
 
-    Buckets' scrubbed ranges ``[start, bucket)`` tile ``[0, top)``, so each bucket owns its part of
-    the flags and remembers the row count it last flagged for. ``whole``: buckets whose graph scrubs
-    every row (no eager break is left to zero the rows below ``start``); each has flags of its own.
-    Any other bucket of :data:`BREAKS_ZERO_FROM_TOKENS` rows or more scrubs none: its range is empty
-    (``start == bucket``) and its capture records no scrub.
+    Buckets' scrubbed ranges ``[start, bucket)`` do not overlap (each starts at or above the next
+    smaller bucket), so each bucket owns its part of the flags and remembers the row count it last
+    flagged for. ``whole``: buckets whose graph scrubs every row (no eager break is left to zero the
+    rows below ``start``); each has flags of its own. Any other bucket of
+    :data:`BREAKS_ZERO_FROM_TOKENS` rows or more scrubs none: its range is empty (``start == bucket``).
     """
 
     def __init__(self, buckets: list[int], device: torch.device, whole: frozenset[int] = frozenset()) -> None:
@@ -82,10 +84,9 @@ class PaddedRows:
         """First row of ``bucket`` that its graph scrubs; the breaks zero padded rows below it."""
         return self._start[bucket]
 
-    def scrub(self, bucket: int) -> RowScrub | None:
-        """What ``bucket``'s capture records after each break; ``None`` where its breaks zero every padded row."""
-        if self._start[bucket] == bucket:
-            return None
+    def scrub(self, bucket: int) -> RowScrub:
+        """What ``bucket``'s capture records after each break (where the range is empty, only the
+        check of the break's output rows)."""
         self._scrubs[bucket] = RowScrub(self._start[bucket], bucket, self._flags[bucket])
         return self._scrubs[bucket]
 
@@ -94,7 +95,7 @@ class PaddedRows:
         (nothing to launch where its graph reads no flag, or already reads these)."""
         scrub = self._scrubs.get(bucket)
         if (self._start[bucket] == bucket or self._flagged_for[bucket] == num_tokens
-                or (scrub is not None and not scrub.recorded)):
+                or (scrub is not None and not scrub.recorded)):  # an empty range: no flag to set
             return
         torch.ge(self._rows[self._start[bucket]:bucket], num_tokens, out=self._flags[bucket])
         self._flagged_for[bucket] = num_tokens

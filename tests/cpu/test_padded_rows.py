@@ -258,10 +258,8 @@ def test_a_breaking_bucket_from_breaks_zero_from_tokens_records_no_scrub_and_its
     buckets = [16, big - 16, big, big + 16]
     rows = PaddedRows(buckets, torch.device("cpu"), whole=frozenset({big + 16}))
     assert [rows.start(b) for b in buckets] == [0, 16, big, 0]
-    assert rows.scrub(big) is None and rows.scrub(big - 16) is not None and rows.scrub(big + 16) is not None
-    with recorded_ops() as ops:
-        rows.flag(big, 100)  # no flag its graph reads
-    assert ops.names == []
+    with pytest.raises(BcgStateError, match=f"output 'output' has 60 rows in the capture of the {big}-token bucket"):
+        rows.scrub(big).apply(torch.zeros(60, 4), "output")  # the row check stays without a scrub
 
     x, out = torch.full((big, 4), 7.0), torch.full((big, 4), float("nan"))
     scrub_token = _capture_scrub.set(rows.scrub(big))
@@ -271,6 +269,9 @@ def test_a_breaking_bucket_from_breaks_zero_from_tokens_records_no_scrub_and_its
     finally:
         _capture_scrub.reset(scrub_token)
     assert "masked_fill_" not in ops.names
+    with recorded_ops() as ops:
+        rows.flag(big, 100)  # no flag its graph reads
+    assert ops.names == []
     [(replay, args, kwargs)] = capture.recorded
     out.fill_(float("nan"))
     with live.bound(live.LiveBatch(big - 100, big, graph_scrub_start=rows.start(big))):

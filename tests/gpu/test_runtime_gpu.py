@@ -20,6 +20,7 @@ from bcg_plugin import capture as capture_module
 from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, eager_break
 from bcg_plugin.capture import capture_segments, default_capture_stream
 from bcg_plugin.hookspecs import hookimpl
+from bcg_plugin.padding import BREAKS_ZERO_FROM_TOKENS
 from bcg_plugin.pool import GraphPool, free_device_bytes
 from bcg_plugin.testing import QWEN3_0_6B, ToyAdapter, ToyDecoder
 
@@ -624,25 +625,27 @@ class _NanRowsAdapter(ToyAdapter):
         return out + 1
 
 
-# Per ladder: its buckets, then the replays (tokens, bucket). In the 64-token bucket the graph scrubs
-# rows 32-63: padding inside them, an unpadded replay after a padded one (stale flags would zero real
-# rows), and 5 tokens, whose rows 5-31 the break zeroes. The 2048-token bucket is GPU-bound
-# (BREAKS_ZERO_FROM_TOKENS): its graph scrubs nothing and its break zeroes every padded row.
+# Per ladder: its buckets, the first row its top bucket's graph scrubs, then the replays (tokens,
+# bucket). In the 64-token bucket the graph scrubs rows 32-63: padding inside them, an unpadded replay
+# after a padded one (stale flags would zero real rows), and 5 tokens, whose rows 5-31 the break
+# zeroes. A bucket of BREAKS_ZERO_FROM_TOKENS rows scrubs none: its break zeroes every padded row.
+_BIG = BREAKS_ZERO_FROM_TOKENS  # at most TOP, the toy model's top bucket
 PADDING_LADDERS = {
-    "graph-scrub": ((32, 64), [(40, 64), (64, 64), (40, 64), (5, 64), (17, 32), (32, 32), (50, 64)]),
-    "breaks-zero": ((1984, TOP), [(2000, TOP), (TOP, TOP), (2000, TOP), (5, TOP), (1900, 1984), (1984, 1984),
-                                  (2040, TOP)]),
+    "graph-scrub": ((32, 64), 32, [(40, 64), (64, 64), (40, 64), (5, 64), (17, 32), (32, 32), (50, 64)]),
+    "breaks-zero": ((_BIG - 64, _BIG), _BIG, [(_BIG - 48, _BIG), (_BIG, _BIG), (_BIG - 48, _BIG), (5, _BIG),
+                                              (_BIG - 148, _BIG - 64), (_BIG - 64, _BIG - 64), (_BIG - 8, _BIG)]),
 }
 
 
 def _padded_rows_after_replays(model, *, declared: bool, ladder: str) -> list[tuple[int, int, bool, bool]]:
     """Per replay (tokens, bucket): whether the real rows are the break's and the padded rows zeros
     (read from the runner's whole-bucket output, padded rows included)."""
-    sizes, replays = PADDING_LADDERS[ladder]
+    sizes, scrub_start, replays = PADDING_LADDERS[ladder]
     adapter = _NanRowsAdapter(model, declared=declared)
     runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=sizes), chunk_size=TOP)
     runner.capture(progress=False)
     try:
+        assert runner._padded.start(sizes[-1]) == scrub_start
         seen = []
         for n, bucket in replays:
             ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
