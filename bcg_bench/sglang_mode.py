@@ -150,7 +150,8 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
             times[n].append((time.perf_counter() - s) * 1e3)
         # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
         measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
-        steps = [r for r in _records(record, "step", mark) if r.get("rank", 0) == 0]
+        # Every rank that ran the step: under DP attention the rank that served a request records it.
+        steps = _records(record, "step", mark)
         host_profile = None
         profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
         if profile_tokens:  # one extra request, in no median: the schedulers profile its forward

@@ -14,9 +14,11 @@ They are three SGLang ``HookRegistry`` hooks, installed only in the schedulers o
   "rank", ...}`` (:mod:`bcg_bench.profile`).
 * ``TpModelWorker.forward_batch_generation`` (AROUND): each extend step the worker runs, the model
   forward and the sampling after it, appends ``{"kind": "step", "tokens", "ms", "rank"}``: ``ms``
-  the wall time from the call to its sampled tokens on the device (it synchronises the stream). A
-  request's end-to-end time less its step is the scheduler's, the tokenizer manager's and the
-  transport's; the step less the forward is the worker's own (sampling, its batch bookkeeping).
+  the wall time from the call to its sampled tokens on the device (it synchronises the stream);
+  an idle DP-attention rank records none. A request's end-to-end time less its step is the
+  scheduler's, the tokenizer manager's and the transport's; the step less the forward is the
+  worker's own (sampling, its batch bookkeeping) and the forward timer's (its synchronisation and
+  record).
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
@@ -113,7 +115,8 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
 def around_step(original_fn, self, batch, *args, **kwargs):
     path = record_path()
     mode = getattr(batch, "forward_mode", None)  # None where the caller passed a ForwardBatch instead
-    if not path or mode is None or not mode.is_extend():
+    tokens = getattr(batch, "extend_num_tokens", None)  # a speculative verify step's may be stale: skipped
+    if not path or mode is None or not mode.is_extend() or mode.is_target_verify() or tokens is None:
         return original_fn(self, batch, *args, **kwargs)
     import torch
 
@@ -122,7 +125,7 @@ def around_step(original_fn, self, batch, *args, **kwargs):
     torch.cuda.current_stream().synchronize()
     ms = (time.perf_counter() - t0) * 1e3
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    append_record(path, {"kind": "step", "tokens": int(batch.extend_num_tokens), "ms": ms, "rank": rank})
+    append_record(path, {"kind": "step", "tokens": int(tokens), "ms": ms, "rank": rank})
     return out
 
 

@@ -52,7 +52,8 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
         assert records[0]["requests"] == (0 if mode == "IDLE" else 2)
 
 
-@pytest.mark.parametrize("mode, recorded", [("EXTEND", True), ("MIXED", True), ("DECODE", False)])
+@pytest.mark.parametrize("mode, recorded", [("EXTEND", True), ("MIXED", True), ("DECODE", False),
+                                            ("TARGET_VERIFY", False)])
 def test_step_records_cover_extend_steps_to_their_sampled_tokens(monkeypatch, tmp_path, mode, recorded):
     """The worker's step around the forward: timed to the end of its device work (the stream is
     synchronised), recorded for extend steps only, with the step's new tokens."""
@@ -69,8 +70,11 @@ def test_step_records_cover_extend_steps_to_their_sampled_tokens(monkeypatch, tm
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     assert [(r["kind"], r["tokens"], r["rank"]) for r in records] == ([("step", 37, 0)] if recorded else [])
     assert synced == ([True] if recorded else [])
-    # A worker called with a prepared ForwardBatch and no ScheduleBatch (speculative verify) passes through.
+    # A worker called with a prepared ForwardBatch and no ScheduleBatch (speculative verify) passes
+    # through, as does a step without a record file.
     assert sglang_timers.around_step(lambda self, b, **kw: "verify", None, None, forward_batch="fb") == "verify"
+    monkeypatch.delenv(sglang_timers.RECORD_ENV)
+    assert sglang_timers.around_step(lambda self, b: "plain", None, batch) == "plain"
     assert len(path.read_text().splitlines() if path.exists() else []) == int(recorded)
 
 
@@ -196,20 +200,21 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
     assert not list(tmp_path.glob("bcg-sglang-bench-*"))  # nor does the schedulers' record folder outlive it
 
 
-def test_a_mode_reports_the_median_step_of_rank_0_per_size(monkeypatch, tmp_path):
+def test_a_mode_reports_the_median_step_per_size_of_the_ranks_that_ran_it(monkeypatch, tmp_path):
+    """Under DP attention each request's step is recorded by the rank that served it (rank 1 here
+    for the second); the warm-up request's step is left out with its forward."""
     from bcg_bench import sglang_mode
 
     record = {}
-    walls = iter([5.0, 9.0, 6.0, 7.0])  # rank 0's steps at 16 tokens, in request order
+    steps = iter([(0, 5.0), (0, 9.0), (1, 6.0), (0, 7.0)])  # (serving rank, step ms) per request
 
     class FakeEngine:
-        def generate(self, input_ids, sampling_params):  # what each scheduler appends while serving it
+        def generate(self, input_ids, sampling_params):  # what the schedulers append while serving it
             n = len(input_ids)
+            rank, wall = next(steps)
             sglang_timers.append_record(record["path"], {"kind": "forward", "tokens": n, "ms": 1.0,
-                                                         "host_ms": 0.5, "rank": 0, "across_dp": None})
-            for rank in (0, 1):
-                wall = next(walls) if rank == 0 else 100.0  # rank 1's step never stands for the request's
-                sglang_timers.append_record(record["path"], {"kind": "step", "tokens": n, "ms": wall, "rank": rank})
+                                                         "host_ms": 0.5, "rank": rank, "across_dp": None})
+            sglang_timers.append_record(record["path"], {"kind": "step", "tokens": n, "ms": wall, "rank": rank})
             return {}
 
         def shutdown(self):
@@ -222,7 +227,7 @@ def test_a_mode_reports_the_median_step_of_rank_0_per_size(monkeypatch, tmp_path
     monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = sglang_mode.run("native", "qwen3-0.6b", [16], warmup=1, iters=3, seed=0)
-    assert result["step_ms"] == {"16": 7.0}  # the warm-up's step (5.0) is left out with its forward
+    assert result["step_ms"] == {"16": 7.0}  # 9, 6 and 7: not the warm-up's 5
 
 
 # -- how the timers reach the schedulers --------------------------------------------------------------
