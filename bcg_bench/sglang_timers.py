@@ -156,33 +156,21 @@ def after_capture_prefill_graph(result, *args, **kwargs):
     return None
 
 
-FORWARD = Patch(
-    target=FORWARD_TARGET,
-    how=Hook("AROUND", params=("self", "forward_batch")),
-    make=lambda: around_forward,
-    reason="benchmark only: model-forward time of prefill forwards (CUDA events)",
-    hosts=str(GATE.supported),  # wherever the plugin itself runs
-    upstream=NOT_FILED,
-    remove_when="SGLang's device timer exposes per-forward prefill times to clients",
-)
-STEP = Patch(
-    target=STEP_TARGET,
-    how=Hook("AROUND", params=("self", "batch")),
-    make=lambda: around_step,
-    reason="benchmark only: wall time of the worker's extend steps, model forward and sampling",
-    hosts=str(GATE.supported),  # wherever the plugin itself runs
-    upstream=NOT_FILED,
-    remove_when="SGLang's request metrics split a request's time into scheduler, forward and sampling",
-)
-CAPTURE = Patch(
-    target=CAPTURE_TARGET,
-    how=Hook("AFTER", params=("model_runner", "eager_runner")),
-    make=lambda: after_capture_prefill_graph,
-    reason="benchmark only: capture time and graph memory per prefill backend",
-    hosts=str(GATE.supported),  # wherever the plugin itself runs
-    upstream=NOT_FILED,
-    remove_when="SGLang reports graph memory/time per phase through get_server_info",
-)
+def _timer(target: str, how: Hook, hook, reason: str, remove_when: str) -> Patch:
+    """A bench timer, placed wherever the plugin itself runs."""
+    return Patch(target=target, how=how, make=lambda: hook, reason=f"benchmark only: {reason}",
+                 hosts=str(GATE.supported), upstream=NOT_FILED, remove_when=remove_when)
+
+
+FORWARD = _timer(FORWARD_TARGET, Hook("AROUND", params=("self", "forward_batch")), around_forward,
+                 "model-forward time of prefill forwards (CUDA events)",
+                 "SGLang's device timer exposes per-forward prefill times to clients")
+STEP = _timer(STEP_TARGET, Hook("AROUND", params=("self", "batch")), around_step,
+              "wall time of the worker's extend steps, model forward and sampling",
+              "SGLang's request metrics split a request's time into scheduler, forward and sampling")
+CAPTURE = _timer(CAPTURE_TARGET, Hook("AFTER", params=("model_runner", "eager_runner")), after_capture_prefill_graph,
+                 "capture time and graph memory per prefill backend",
+                 "SGLang reports graph memory/time per phase through get_server_info")
 TIMERS = (FORWARD, STEP, CAPTURE)
 
 
