@@ -24,10 +24,10 @@ from bcg_plugin.errors import BcgStateError
 
 # Buckets from this many rows up leave their padded rows to the breaks. Their forward is GPU-bound
 # (Qwen3-0.6B on an H200, vLLM and SGLang's triton and flashinfer: 6.6-9.0 ms of device time to
-# 2.6-4.5 ms of host time a forward at 2048 tokens), so a padded replay's zero launches hide behind device work, while a scrub
-# in the graph costs device time on every replay, of batches that fill the bucket too (1.3% of it at
-# 2048 tokens, 0.6% at 8192: docs/benchmarks.md, "Padded rows"). Below it the forward is host-bound
-# and the scrub in the graph is the cheaper.
+# 2.6-4.5 ms of host time a forward at 2048 tokens), so a padded replay's zero launches hide behind
+# device work, while a scrub in the graph costs device time on every replay, of batches that fill
+# the bucket too (1.3% of it at 2048 tokens, 0.6% at 8192: docs/benchmarks.md, "Padded rows").
+# Below it the forward is host-bound and the scrub in the graph is the cheaper.
 BREAKS_ZERO_FROM_TOKENS = 2048
 
 
@@ -95,7 +95,7 @@ class PaddedRows:
         (nothing to launch where its graph reads no flag, or already reads these)."""
         scrub = self._scrubs.get(bucket)
         if (self._start[bucket] == bucket or self._flagged_for[bucket] == num_tokens
-                or (scrub is not None and not scrub.recorded)):  # an empty range: no flag to set
+                or (scrub is not None and not scrub.recorded)):
             return
         torch.ge(self._rows[self._start[bucket]:bucket], num_tokens, out=self._flags[bucket])
         self._flagged_for[bucket] = num_tokens
