@@ -79,6 +79,13 @@ def _profiler(path: str):
     return ForwardProfiler.from_env(armed=lambda: os.path.exists(arm))
 
 
+def _rank() -> int:
+    """This scheduler's rank in the engine's process group (0 without one)."""
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
 def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     import torch
 
@@ -103,7 +110,7 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     host_ms = (time.perf_counter() - t0) * 1e3
     end.record()
     end.synchronize()
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = _rank()
     if profiler is not None and profiler.summary is not None and not profiled_before:
         append_record(path, {"kind": "host_profile", "rank": rank, **profiler.summary})
     append_record(path, {"kind": "forward", "tokens": tokens, "requests": requests,
@@ -124,8 +131,7 @@ def around_step(original_fn, self, batch, *args, **kwargs):
     out = original_fn(self, batch, *args, **kwargs)
     torch.cuda.current_stream().synchronize()
     ms = (time.perf_counter() - t0) * 1e3
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    append_record(path, {"kind": "step", "tokens": int(tokens), "ms": ms, "rank": rank})
+    append_record(path, {"kind": "step", "tokens": int(tokens), "ms": ms, "rank": _rank()})
     return out
 
 
@@ -133,13 +139,11 @@ def after_capture_prefill_graph(result, *args, **kwargs):
     path = record_path()
     if not path:
         return None
-    import torch
-
     runner = getattr(result, "runner", None)
     core = getattr(runner, "core", None)
     append_record(path, {
         "kind": "capture",
-        "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+        "rank": _rank(),
         "runner": type(runner).__name__,
         "memory_gib": float(getattr(result, "memory_usage_gb", 0.0) or 0.0),
         "seconds": float(getattr(result, "capture_time", 0.0) or 0.0),
