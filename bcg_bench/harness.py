@@ -3,7 +3,8 @@
 Each engine's per-mode script (:mod:`bcg_bench.vllm_mode`, :mod:`bcg_bench.sglang_mode`) takes
 ``--mode --model --sizes --out`` (and ``--tp``/``--dp`` above 1) and writes a JSON object with
 ``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``; where
-the mode measured them, ``forward_host_ms``, ``step_ms``, ``weight_bytes``, ``vocab_weight_bytes`` and
+the mode measured them, ``forward_host_ms``, ``step_ms`` and the request phases
+(:data:`bcg_bench.sglang_mode.PHASES`), ``weight_bytes``, ``vocab_weight_bytes`` and
 ``copy_bandwidth_gbs`` (read by :func:`weight_floor` and :func:`break_cost`). This
 module runs the modes back to back, stamps the run (engine version, model shape, parallel layout,
 GPU, date) and writes
@@ -106,6 +107,10 @@ LATENCY_KEYS = {
     "forward_ms": "Model forward median ms (CUDA events)",
     "forward_host_ms": "Host time issuing the model forward, median ms",
     "step_ms": "Worker step (model forward and sampling, to the sampled token), median ms",
+    "queue_ms": "From generate() to the scheduler's waiting queue (tokenizer manager, transport), median ms",
+    "schedule_ms": "From the waiting queue to the worker's step (scheduling the batch), median ms",
+    "result_ms": "From the sampled token to the output leaving the scheduler (result processing), median ms",
+    "return_ms": "From the output leaving the scheduler to generate() returning (detokenizer, transport), median ms",
 }
 
 

@@ -6,8 +6,9 @@ piecewise graphs; SGLang removed it in 0.5.22), ``bcg`` (bcg's default, ``BCG_AT
 ``bcg_break`` and ``bcg_graph`` (bcg with attention an eager break, or inside its graphs where the
 backend allows it, in every bucket: ``BCG_ATTENTION=break`` and ``graph``). Per N: the median end-to-end
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
-the median CUDA-event time of its prefill forward, and the median wall time of the worker's step
-around it (forward and sampling, ``step_ms``). Writes ``e2e_ms``, ``forward_ms``
+the median CUDA-event time of its prefill forward, the median wall time of the worker's step
+around it (forward and sampling, ``step_ms``), and the rest of the request's time in phases
+(:data:`PHASES`). Writes ``e2e_ms``, ``forward_ms``
 (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib`` (the contract of
 :mod:`bcg_bench.harness`). Forward times and capture figures come from the bench's timers in the
 schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); so does
@@ -87,6 +88,34 @@ def step_tokens(record: dict) -> int:
     return max(record["across_dp"]) if record.get("across_dp") else record["tokens"]
 
 
+# A request's end-to-end time in consecutive phases, each bounded by two stamps (see
+# :mod:`bcg_bench.sglang_timers`): generate() -> waiting queue -> step start -> sampled token ->
+# output sent -> generate() returns.
+PHASES = ("queue_ms", "schedule_ms", "result_ms", "return_ms")
+
+
+def request_phases(windows: list[tuple[int, float, float]], served: list[dict], steps: list[dict]) -> dict:
+    """Per phase, N -> median ms over the timed requests (``windows``: N, sent and returned) whose
+    scheduler record (``served``) and one extend step of N tokens (``steps``) fall inside their
+    window; the step itself is ``step_ms``. Requests run one at a time, so the window is what ties a
+    request to its records; one without them adds nothing."""
+    per: dict[str, dict[int, list[float]]] = {k: {} for k in PHASES}
+    for n, sent, returned in windows:
+        out = next((r for r in served if r["tokens"] == n and sent <= r["queued"] <= r["sent"] <= returned), None)
+        if out is None:
+            continue
+        step = next((r for r in steps if r["tokens"] == n and "t0" in r
+                     and out["queued"] <= r["t0"] <= r["t1"] <= out["sent"]), None)
+        if step is None:
+            continue
+        bounds = (sent, out["queued"], step["t0"], step["t1"], out["sent"], returned)
+        edges = {"queue_ms": bounds[0:2], "schedule_ms": bounds[1:3], "result_ms": bounds[3:5],
+                 "return_ms": bounds[4:6]}
+        for key, (a, b) in edges.items():
+            per[key].setdefault(n, []).append((b - a) * 1e3)
+    return {key: {str(n): statistics.median(v) for n, v in by_n.items()} for key, by_n in per.items()}
+
+
 def _records(path: Path, kind: str, skip: int = 0) -> list[dict]:
     if not path.exists():
         return []
@@ -137,6 +166,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
     params = {"max_new_tokens": 1, "temperature": 0.0}
     prompts = {n: [rng.randrange(100, 150000) for _ in range(n)] for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    windows: list[tuple[int, float, float]] = []  # (N, sent, returned) per timed request
     try:
         for n in sizes:
             for _ in range(warmup):
@@ -147,11 +177,14 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
             speed.sample()
             s = time.perf_counter()
             engine.generate(input_ids=prompts[n], sampling_params=params)
-            times[n].append((time.perf_counter() - s) * 1e3)
+            e = time.perf_counter()
+            times[n].append((e - s) * 1e3)
+            windows.append((n, s, e))
         # Every rank records its forwards; rank 0's stand for the step (ranks run in lockstep).
         measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
         # Every rank that ran the step: under DP attention the rank that served a request records it.
         steps = _records(record, "step", mark)
+        served = _records(record, "request", mark)
         host_profile = None
         profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
         if profile_tokens:  # one extra request, in no median: the schedulers profile its forward
@@ -171,6 +204,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         worker = [r["ms"] for r in steps if r["tokens"] == n]
         if worker:
             step[str(n)] = statistics.median(worker)
+    phases = request_phases(windows, served, steps)
     capture = (_records(record, "capture") or [{}])[-1]
     return {
         "mode": mode,
@@ -180,6 +214,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         "forward_ms": fwd,
         "forward_host_ms": fwd_host,
         "step_ms": step,
+        **phases,
         "init_s": init_s,
         "capture_s": capture.get("seconds", 0.0),
         "graph_mem_gib": capture.get("memory_gib", 0.0),

@@ -1,6 +1,6 @@
 """The SGLang bench's timers: what each scheduler's prefill forwards and prefill-graph capture cost.
 
-They are three SGLang ``HookRegistry`` hooks, installed only in the schedulers of an engine that
+They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of an engine that
 :func:`start_engine` starts, never by bcg's plugin:
 
 * ``ModelRunner.forward`` (AROUND): each extend forward, and an idle DP-attention rank's forward
@@ -13,12 +13,20 @@ They are three SGLang ``HookRegistry`` hooks, installed only in the schedulers o
   (:func:`profile_arm_path`) runs under ``torch.profiler`` and appends ``{"kind": "host_profile",
   "rank", ...}`` (:mod:`bcg_bench.profile`).
 * ``TpModelWorker.forward_batch_generation`` (AROUND): each extend step the worker runs, the model
-  forward and the sampling after it, appends ``{"kind": "step", "tokens", "ms", "rank"}``: ``ms``
-  the wall time from the call to its sampled tokens on the device (it synchronises the stream);
+  forward and the sampling after it, appends ``{"kind": "step", "tokens", "ms", "t0", "t1", "rank"}``:
+  ``ms`` the wall time from the call (``t0``) to its sampled tokens on the device (``t1``; it
+  synchronises the stream);
   an idle DP-attention rank records none. A request's end-to-end time less its step is the
   scheduler's, the tokenizer manager's and the transport's; the step less the forward is the
   worker's own (sampling, its batch bookkeeping) and the forward timer's (its synchronisation and
   record).
+* ``SchedulerOutputStreamer.stream_output`` (AFTER): each request that finished in the call appends
+  ``{"kind": "request", "tokens", "queued", "sent", "rank"}``: ``queued`` SGLang's own time the
+  request entered the waiting queue, ``sent`` the time its output left for the detokenizer. With the
+  step's ``t0`` and ``t1`` these split a request's end-to-end time into its path to the queue,
+  scheduling, the step, result processing and its way back. Every stamp is ``time.perf_counter()``,
+  which on Linux reads the system-wide monotonic clock, so stamps of the bench's and the
+  schedulers' processes compare.
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
@@ -28,7 +36,7 @@ How they reach the schedulers: SGLang starts each scheduler (and, under DP atten
 controller that starts them) with multiprocessing *spawn*, calling ``Engine.run_scheduler_process_func``,
 a class attribute SGLang provides for engines that customise their processes. The engine class of
 :func:`start_engine` sets it to :func:`run_scheduler_process`, which spawn pickles by reference, so
-each scheduler imports this module and runs that function: it registers the three hooks, then lets
+each scheduler imports this module and runs that function: it registers the four hooks, then lets
 SGLang load its plugins (bcg's among them) and apply every registered hook at once, then runs
 SGLang's own scheduler. Registering before the plugins load matters: bcg's plugin hooks
 ``capture_prefill_graph`` too, and ``HookRegistry`` builds a target's chain once, so a hook applied
@@ -52,6 +60,7 @@ RECORD_ENV = "BCG_BENCH_RECORD"  # the file every scheduler appends its records 
 FORWARD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 STEP_TARGET = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 CAPTURE_TARGET = "sglang.srt.model_executor.model_runner_components.cuda_graph_setup.capture_prefill_graph"
+OUTPUT_TARGET = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.stream_output"
 
 
 def record_path() -> str | None:
@@ -130,9 +139,23 @@ def around_step(original_fn, self, batch, *args, **kwargs):
     t0 = time.perf_counter()
     out = original_fn(self, batch, *args, **kwargs)
     torch.cuda.current_stream().synchronize()
-    ms = (time.perf_counter() - t0) * 1e3
-    append_record(path, {"kind": "step", "tokens": int(tokens), "ms": ms, "rank": _rank()})
+    t1 = time.perf_counter()
+    append_record(path, {"kind": "step", "tokens": int(tokens), "ms": (t1 - t0) * 1e3, "t0": t0, "t1": t1,
+                         "rank": _rank()})
     return out
+
+
+def after_stream_output(result, self, reqs, *args, **kwargs):
+    path = record_path()
+    if not path:
+        return None
+    sent = time.perf_counter()
+    skip = kwargs.get("skip_req", args[1] if len(args) > 1 else None)
+    for req in reqs:
+        if req is not skip and req.finished():
+            append_record(path, {"kind": "request", "tokens": len(req.origin_input_ids),
+                                 "queued": req.time_stats.wait_queue_entry_time, "sent": sent, "rank": _rank()})
+    return None
 
 
 def after_capture_prefill_graph(result, *args, **kwargs):
@@ -175,7 +198,10 @@ STEP = _timer(STEP_TARGET, Hook("AROUND", params=("self", "batch")), around_step
 CAPTURE = _timer(CAPTURE_TARGET, Hook("AFTER", params=("model_runner", "eager_runner")), after_capture_prefill_graph,
                  "capture time and graph memory per prefill backend",
                  "SGLang reports graph memory/time per phase through get_server_info")
-TIMERS = (FORWARD, STEP, CAPTURE)
+OUTPUT = _timer(OUTPUT_TARGET, Hook("AFTER", params=("self", "reqs")), after_stream_output,
+                "when each finished request's output left the scheduler, beside SGLang's own queue-entry time",
+                "SGLang's request metrics reach clients without enabling its metrics exporter")
+TIMERS = (FORWARD, STEP, OUTPUT, CAPTURE)
 
 
 def is_installed(patch: Patch) -> bool:

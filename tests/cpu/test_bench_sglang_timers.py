@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import types
 
 import pytest
@@ -69,6 +70,7 @@ def test_step_records_cover_extend_steps_to_their_sampled_tokens(monkeypatch, tm
         "result", {"pp_proxy_tensors": None})
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     assert [(r["kind"], r["tokens"], r["rank"]) for r in records] == ([("step", 37, 0)] if recorded else [])
+    assert all(r["t0"] <= r["t1"] and r["ms"] == pytest.approx((r["t1"] - r["t0"]) * 1e3) for r in records)
     assert synced == ([True] if recorded else [])
     # A worker called with a prepared ForwardBatch and no ScheduleBatch (speculative verify) passes
     # through, as does a step without a record file.
@@ -76,6 +78,29 @@ def test_step_records_cover_extend_steps_to_their_sampled_tokens(monkeypatch, tm
     monkeypatch.delenv(sglang_timers.RECORD_ENV)
     assert sglang_timers.around_step(lambda self, b: "plain", None, batch) == "plain"
     assert len(path.read_text().splitlines() if path.exists() else []) == int(recorded)
+
+
+def _request(tokens: int, finished: bool, queued: float):
+    from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
+
+    stats = SchedulerReqTimeStats()  # SGLang's own: the stamp must be the one it keeps
+    stats.wait_queue_entry_time = queued
+    return types.SimpleNamespace(origin_input_ids=[1] * tokens, finished=lambda: finished, time_stats=stats)
+
+
+def test_output_records_stamp_each_finished_request_when_it_leaves_the_scheduler(monkeypatch, tmp_path):
+    path = tmp_path / "out.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    done, running, skipped = _request(16, True, 1.5), _request(64, False, 2.0), _request(32, True, 3.0)
+    before = time.perf_counter()
+    assert sglang_timers.after_stream_output(None, None, [done, running, skipped], False, skipped) is None
+    assert sglang_timers.after_stream_output(None, None, [done], False, skip_req=done) is None
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["kind"], r["tokens"], r["queued"]) for r in records] == [("request", 16, 1.5)]
+    assert before <= records[0]["sent"] <= time.perf_counter()
+    monkeypatch.delenv(sglang_timers.RECORD_ENV)
+    sglang_timers.after_stream_output(None, None, [done], False)
+    assert len(path.read_text().splitlines()) == 1
 
 
 @pytest.mark.usefixtures("fake_cuda_events")
@@ -230,6 +255,27 @@ def test_a_mode_reports_the_median_step_per_size_of_the_ranks_that_ran_it(monkey
     assert result["step_ms"] == {"16": 7.0}  # 9, 6 and 7: not the warm-up's 5
 
 
+def test_request_phases_split_each_request_at_its_own_stamps():
+    """Two 16-token requests and one of 64: each phase runs between two stamps, the phases and the
+    step add up to the request's time, and a request whose records lie outside its window (the
+    second 64-token one, whose step record is missing) adds nothing rather than a wrong split."""
+    from bcg_bench.sglang_mode import PHASES, request_phases
+
+    windows = [(16, 0.000, 0.010), (16, 0.020, 0.032), (64, 0.040, 0.050), (64, 0.060, 0.070)]
+    served = [{"tokens": 16, "queued": 0.001, "sent": 0.008}, {"tokens": 16, "queued": 0.022, "sent": 0.030},
+              {"tokens": 64, "queued": 0.042, "sent": 0.049}, {"tokens": 64, "queued": 0.061, "sent": 0.069}]
+    steps = [{"tokens": 16, "t0": 0.002, "t1": 0.006}, {"tokens": 16, "t0": 0.024, "t1": 0.028},
+             {"tokens": 64, "t0": 0.043, "t1": 0.047}, {"tokens": 16, "t0": 0.062, "t1": 0.066}]
+    phases = request_phases(windows, served, steps)
+    assert set(phases) == set(PHASES)
+    expect = {"queue_ms": {"16": 1.5, "64": 2.0}, "schedule_ms": {"16": 1.5, "64": 1.0},
+              "result_ms": {"16": 2.0, "64": 2.0}, "return_ms": {"16": 2.0, "64": 1.0}}
+    assert phases == {k: {n: pytest.approx(v) for n, v in by_n.items()} for k, by_n in expect.items()}
+    # The third request: its phases and its 4 ms step make up its 10 ms.
+    assert sum(phases[k]["64"] for k in PHASES) + 4.0 == pytest.approx(10.0)
+    assert request_phases(windows, [], steps) == {k: {} for k in PHASES}
+
+
 # -- how the timers reach the schedulers --------------------------------------------------------------
 
 
@@ -305,7 +351,7 @@ def test_a_bench_scheduler_has_the_timers_and_bcg_both_on_the_capture_it_shares(
     seen = run_scheduler("timed", tmp_path)
     assert seen["args"] == ["server_args", "port_args"]  # SGLang's scheduler runs, with its arguments
     assert seen["timers"] == sorted([sglang_timers.FORWARD_TARGET, sglang_timers.STEP_TARGET,
-                                     sglang_timers.CAPTURE_TARGET])
+                                     sglang_timers.OUTPUT_TARGET, sglang_timers.CAPTURE_TARGET])
     assert seen["bcg_capture"] and seen["active"]
 
 
