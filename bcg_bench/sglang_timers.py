@@ -15,11 +15,10 @@ They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of
 * ``TpModelWorker.forward_batch_generation`` (AROUND): each extend step the worker runs, the model
   forward and the sampling after it, appends ``{"kind": "step", "tokens", "ms", "t0", "t1", "rank"}``:
   ``ms`` the wall time from the call (``t0``) to its sampled tokens on the device (``t1``; it
-  synchronises the stream);
-  an idle DP-attention rank records none. A request's end-to-end time less its step is the
-  scheduler's, the tokenizer manager's and the transport's; the step less the forward is the
-  worker's own (sampling, its batch bookkeeping) and the forward timer's (its synchronisation and
-  record).
+  synchronises the stream); an idle DP-attention rank records none. A request's end-to-end time
+  less its step is the scheduler's, the tokenizer manager's and the transport's; the step less the
+  forward is the worker's own (sampling, its batch bookkeeping) and the forward timer's (its
+  synchronisation and record).
 * ``SchedulerOutputStreamer.stream_output`` (AFTER): each request that finished in the call appends
   ``{"kind": "request", "tokens", "queued", "sent", "rank"}``: ``queued`` SGLang's own time the
   request entered the waiting queue, ``sent`` the time its output left for the detokenizer. With the
