@@ -109,8 +109,10 @@ LATENCY_KEYS = {
     "step_ms": "Worker step (model forward and sampling, to the sampled token), median ms",
     "queue_ms": "From generate() to the scheduler's waiting queue (tokenizer manager, transport), median ms",
     "schedule_ms": "From the waiting queue to the worker's step (scheduling the batch), median ms",
-    "result_ms": "From the sampled token to the output leaving the scheduler (result processing), median ms",
-    "return_ms": "From the output leaving the scheduler to generate() returning (detokenizer, transport), median ms",
+    "result_ms": "From the sampled token to the output leaving the scheduler (the rest of its loop turn, result "
+                 "processing), median ms",
+    "return_ms": "From the output leaving the scheduler to generate() returning (tokenizer manager, transport), "
+                 "median ms",
 }
 
 

@@ -96,24 +96,30 @@ PHASES = ("queue_ms", "schedule_ms", "result_ms", "return_ms")
 
 def request_phases(windows: list[tuple[int, float, float]], served: list[dict], steps: list[dict]) -> dict:
     """Per phase, N -> median ms over the timed requests (``windows``: N, sent and returned) whose
-    scheduler record (``served``) and one extend step of N tokens (``steps``) fall inside their
-    window; the step itself is ``step_ms``. Requests run one at a time, so the window is what ties a
-    request to its records; one without them adds nothing."""
+    scheduler record (``served``) and one extend step of N tokens (``steps``) of the same rank fall
+    inside their window; the step itself is ``step_ms``. Requests run one at a time, so the window
+    is what ties a request to its records; of a tensor-parallel group's ranks, which all record,
+    the lowest stands for it. ``phase_requests`` counts the requests tied, per N: one without its
+    records adds nothing."""
     per: dict[str, dict[int, list[float]]] = {k: {} for k in PHASES}
+    tied: dict[int, int] = {}
     for n, sent, returned in windows:
-        out = next((r for r in served if r["tokens"] == n and sent <= r["queued"] <= r["sent"] <= returned), None)
-        if out is None:
-            continue
-        step = next((r for r in steps if r["tokens"] == n and "t0" in r
-                     and out["queued"] <= r["t0"] <= r["t1"] <= out["sent"]), None)
-        if step is None:
+        for out in sorted((r for r in served if r["tokens"] == n and sent <= r["queued"] <= r["sent"] <= returned),
+                          key=lambda r: r.get("rank", 0)):
+            step = next((r for r in steps if r["tokens"] == n and "t0" in r and r.get("rank", 0) == out.get("rank", 0)
+                         and out["queued"] <= r["t0"] <= r["t1"] <= out["sent"]), None)
+            if step is not None:
+                break
+        else:
             continue
         bounds = (sent, out["queued"], step["t0"], step["t1"], out["sent"], returned)
         edges = {"queue_ms": bounds[0:2], "schedule_ms": bounds[1:3], "result_ms": bounds[3:5],
                  "return_ms": bounds[4:6]}
         for key, (a, b) in edges.items():
             per[key].setdefault(n, []).append((b - a) * 1e3)
-    return {key: {str(n): statistics.median(v) for n, v in by_n.items()} for key, by_n in per.items()}
+        tied[n] = tied.get(n, 0) + 1
+    phases = {key: {str(n): statistics.median(v) for n, v in by_n.items()} for key, by_n in per.items()}
+    return {**phases, "phase_requests": {str(n): c for n, c in tied.items()}}
 
 
 def _records(path: Path, kind: str, skip: int = 0) -> list[dict]:
@@ -184,7 +190,6 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         measured = [r for r in _records(record, "forward", mark) if r.get("rank", 0) == 0]
         # Every rank that ran the step: under DP attention the rank that served a request records it.
         steps = _records(record, "step", mark)
-        served = _records(record, "request", mark)
         host_profile = None
         profile_tokens = os.environ.get(PROFILE_TOKENS_ENV)
         if profile_tokens:  # one extra request, in no median: the schedulers profile its forward
@@ -194,6 +199,8 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
             host_profile = min(_records(record, "host_profile"), key=lambda r: r.get("rank", 0), default=None)
     finally:
         engine.shutdown()
+    # Read once the schedulers are gone: each writes a request's record after sending its output.
+    served = _records(record, "request", mark)
     e2e = {str(n): statistics.median(times[n]) for n in sizes}
     fwd, fwd_host, step = {}, {}, {}
     for n in sizes:

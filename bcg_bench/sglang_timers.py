@@ -1,4 +1,5 @@
-"""The SGLang bench's timers: what each scheduler's prefill forwards and prefill-graph capture cost.
+"""The SGLang bench's timers: what each scheduler's prefill forwards, steps and capture cost, and
+when each request passed through the scheduler.
 
 They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of an engine that
 :func:`start_engine` starts, never by bcg's plugin:
@@ -19,13 +20,16 @@ They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of
   less its step is the scheduler's, the tokenizer manager's and the transport's; the step less the
   forward is the worker's own (sampling, its batch bookkeeping) and the forward timer's (its
   synchronisation and record).
-* ``SchedulerOutputStreamer.stream_output`` (AFTER): each request that finished in the call appends
-  ``{"kind": "request", "tokens", "queued", "sent", "rank"}``: ``queued`` SGLang's own time the
-  request entered the waiting queue, ``sent`` the time its output left for the detokenizer. With the
-  step's ``t0`` and ``t1`` these split a request's end-to-end time into its path to the queue,
-  scheduling, the step, result processing and its way back. Every stamp is ``time.perf_counter()``,
-  which on Linux reads the system-wide monotonic clock, so stamps of the bench's and the
-  schedulers' processes compare.
+* ``SchedulerOutputStreamer.stream_output`` (AROUND): each request whose final output the call sent
+  appends ``{"kind": "request", "tokens", "queued", "sent", "rank"}``: ``queued`` SGLang's own time
+  the request last entered the waiting queue (a retracted request enters it again), ``sent`` the
+  time the call returned, its output sent (every rank of a tensor-parallel group records; its
+  first rank's call is the one that sends).
+  With the step's ``t0`` and ``t1`` these split a request's end-to-end time into its path to the
+  queue, scheduling, the step, what the scheduler does until the output leaves (the rest of its
+  loop turn, result processing, the step record's own write) and its way back. Every stamp is
+  ``time.perf_counter()``, which on Linux reads the system-wide monotonic clock, so stamps of the
+  bench's and the schedulers' processes compare.
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
@@ -144,17 +148,21 @@ def around_step(original_fn, self, batch, *args, **kwargs):
     return out
 
 
-def after_stream_output(result, self, reqs, *args, **kwargs):
+def around_stream_output(original_fn, self, reqs, *args, **kwargs):
     path = record_path()
     if not path:
-        return None
-    sent = time.perf_counter()
+        return original_fn(self, reqs, *args, **kwargs)
     skip = kwargs.get("skip_req", args[1] if len(args) > 1 else None)
-    for req in reqs:
-        if req is not skip and req.finished():
+    # SGLang marks a request's final output as sent (``finished_output``) and skips it in later
+    # calls (the overlap scheduler streams a finished request again): only this call's count.
+    pending = [req for req in reqs if req is not skip and not getattr(req, "finished_output", False)]
+    out = original_fn(self, reqs, *args, **kwargs)
+    sent = time.perf_counter()
+    for req in pending:
+        if req.finished() and getattr(req, "finished_output", False):
             append_record(path, {"kind": "request", "tokens": len(req.origin_input_ids),
                                  "queued": req.time_stats.wait_queue_entry_time, "sent": sent, "rank": _rank()})
-    return None
+    return out
 
 
 def after_capture_prefill_graph(result, *args, **kwargs):
@@ -197,7 +205,8 @@ STEP = _timer(STEP_TARGET, Hook("AROUND", params=("self", "batch")), around_step
 CAPTURE = _timer(CAPTURE_TARGET, Hook("AFTER", params=("model_runner", "eager_runner")), after_capture_prefill_graph,
                  "capture time and graph memory per prefill backend",
                  "SGLang reports graph memory/time per phase through get_server_info")
-OUTPUT = _timer(OUTPUT_TARGET, Hook("AFTER", params=("self", "reqs")), after_stream_output,
+OUTPUT = _timer(OUTPUT_TARGET, Hook("AROUND", params=("self", "reqs", "return_logprob", "skip_req")),
+                around_stream_output,
                 "when each finished request's output left the scheduler, beside SGLang's own queue-entry time",
                 "SGLang's request metrics reach clients without enabling its metrics exporter")
 TIMERS = (FORWARD, STEP, OUTPUT, CAPTURE)

@@ -80,26 +80,39 @@ def test_step_records_cover_extend_steps_to_their_sampled_tokens(monkeypatch, tm
     assert len(path.read_text().splitlines() if path.exists() else []) == int(recorded)
 
 
-def _request(tokens: int, finished: bool, queued: float):
+def _request(tokens: int, finished: bool, queued: float, sent_before: bool = False):
     from sglang.srt.observability.req_time_stats import SchedulerReqTimeStats
 
     stats = SchedulerReqTimeStats()  # SGLang's own: the stamp must be the one it keeps
     stats.wait_queue_entry_time = queued
-    return types.SimpleNamespace(origin_input_ids=[1] * tokens, finished=lambda: finished, time_stats=stats)
+    return types.SimpleNamespace(origin_input_ids=[1] * tokens, finished=lambda: finished, time_stats=stats,
+                                 finished_output=sent_before)
 
 
-def test_output_records_stamp_each_finished_request_when_it_leaves_the_scheduler(monkeypatch, tmp_path):
+def _stream_output(self, reqs, return_logprob, skip_req=None):
+    """What SGLang's ``stream_output`` does to the flag the timer reads: a finished request's final
+    output is sent once, then marked, and skipped in later calls."""
+    for req in reqs:
+        if req is not skip_req and req.finished() and not req.finished_output:
+            req.finished_output = True
+    return "streamed"
+
+
+def test_output_records_stamp_each_request_whose_final_output_the_call_sent(monkeypatch, tmp_path):
     path = tmp_path / "out.jsonl"
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
     done, running, skipped = _request(16, True, 1.5), _request(64, False, 2.0), _request(32, True, 3.0)
+    sent_earlier = _request(48, True, 0.5, sent_before=True)  # the overlap scheduler streams it again
     before = time.perf_counter()
-    assert sglang_timers.after_stream_output(None, None, [done, running, skipped], False, skipped) is None
-    assert sglang_timers.after_stream_output(None, None, [done], False, skip_req=done) is None
+    assert sglang_timers.around_stream_output(_stream_output, None, [done, running, skipped, sent_earlier],
+                                              False, skipped) == "streamed"
+    # The next call sees ``done`` again (already sent) and ``skipped`` by keyword: nothing new.
+    sglang_timers.around_stream_output(_stream_output, None, [done, skipped], False, skip_req=skipped)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["kind"], r["tokens"], r["queued"]) for r in records] == [("request", 16, 1.5)]
     assert before <= records[0]["sent"] <= time.perf_counter()
     monkeypatch.delenv(sglang_timers.RECORD_ENV)
-    sglang_timers.after_stream_output(None, None, [done], False)
+    assert sglang_timers.around_stream_output(_stream_output, None, [skipped], False) == "streamed"
     assert len(path.read_text().splitlines()) == 1
 
 
@@ -256,9 +269,9 @@ def test_a_mode_reports_the_median_step_per_size_of_the_ranks_that_ran_it(monkey
 
 
 def test_request_phases_split_each_request_at_its_own_stamps():
-    """Two 16-token requests and one of 64: each phase runs between two stamps, the phases and the
-    step add up to the request's time, and a request whose records lie outside its window (the
-    second 64-token one, whose step record is missing) adds nothing rather than a wrong split."""
+    """Two 16-token requests and two of 64: each phase runs between two stamps, the phases and the
+    step add up to the request's time, and the second 64-token request, whose step record is
+    missing (a 16-token step lies in its window), adds nothing rather than a wrong split."""
     from bcg_bench.sglang_mode import PHASES, request_phases
 
     windows = [(16, 0.000, 0.010), (16, 0.020, 0.032), (64, 0.040, 0.050), (64, 0.060, 0.070)]
@@ -267,13 +280,31 @@ def test_request_phases_split_each_request_at_its_own_stamps():
     steps = [{"tokens": 16, "t0": 0.002, "t1": 0.006}, {"tokens": 16, "t0": 0.024, "t1": 0.028},
              {"tokens": 64, "t0": 0.043, "t1": 0.047}, {"tokens": 16, "t0": 0.062, "t1": 0.066}]
     phases = request_phases(windows, served, steps)
-    assert set(phases) == set(PHASES)
+    assert set(phases) == {*PHASES, "phase_requests"}
     expect = {"queue_ms": {"16": 1.5, "64": 2.0}, "schedule_ms": {"16": 1.5, "64": 1.0},
               "result_ms": {"16": 2.0, "64": 2.0}, "return_ms": {"16": 2.0, "64": 1.0}}
-    assert phases == {k: {n: pytest.approx(v) for n, v in by_n.items()} for k, by_n in expect.items()}
+    assert {k: phases[k] for k in PHASES} == {k: {n: pytest.approx(v) for n, v in by_n.items()}
+                                              for k, by_n in expect.items()}
+    assert phases["phase_requests"] == {"16": 2, "64": 1}
     # The third request: its phases and its 4 ms step make up its 10 ms.
     assert sum(phases[k]["64"] for k in PHASES) + 4.0 == pytest.approx(10.0)
-    assert request_phases(windows, [], steps) == {k: {} for k in PHASES}
+    assert request_phases(windows, [], steps) == {**{k: {} for k in PHASES}, "phase_requests": {}}
+
+
+def test_request_phases_take_one_tensor_parallel_rank_and_its_own_step():
+    """Every rank of a TP group records the request and the step; only the first rank sends. A
+    request is split at one rank's stamps, the lowest, never at one rank's output and another's step."""
+    from bcg_bench.sglang_mode import request_phases
+
+    windows = [(16, 0.000, 0.010)]
+    served = [{"tokens": 16, "queued": 0.0015, "sent": 0.0085, "rank": 1},
+              {"tokens": 16, "queued": 0.001, "sent": 0.008, "rank": 0}]
+    steps = [{"tokens": 16, "t0": 0.0025, "t1": 0.0075, "rank": 1}, {"tokens": 16, "t0": 0.002, "t1": 0.006, "rank": 0}]
+    phases = request_phases(windows, served, steps)
+    assert (phases["schedule_ms"]["16"], phases["result_ms"]["16"]) == (pytest.approx(1.0), pytest.approx(2.0))
+    # Rank 0's step missing: rank 1's own stamps, not rank 1's output with rank 0's step.
+    phases = request_phases(windows, served, steps[:1])
+    assert (phases["schedule_ms"]["16"], phases["result_ms"]["16"]) == (pytest.approx(1.0), pytest.approx(1.0))
 
 
 # -- how the timers reach the schedulers --------------------------------------------------------------
