@@ -38,8 +38,9 @@ MIN_REQUEST_SLOTS = 64
 # flashinfer breaks (the wrapper's Python, once per layer) is not hidden behind the step's GPU work,
 # and a graph without them is faster; above it an eager ragged prefill sized for the live batch beats
 # the paged one captured for the bucket's worst case (docs/benchmarks.md: SGLang 0.5.23 on flashinfer,
-# and its earlier run of bcg against bcg_break and full, on the Qwen3-0.6B shape; a larger model's GPU
-# work hides the breaks from fewer tokens on).
+# and, under the earlier runs, sglang-0.5.23-qwen3-0.6b-flashinfer-2026-12-04T1302Z, bcg against
+# bcg_break and full, on the Qwen3-0.6B shape; a larger model's GPU work hides the breaks from fewer
+# tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
 
 

@@ -281,7 +281,8 @@ def _say_once(say: Any, reason: str) -> None:
 # The largest bucket "auto" keeps attention inside the graph for (unless vLLM's own FULL graphs reach
 # further). Up to it one eager FA3 call per layer costs the host more than the step's GPU work hides;
 # above it the captured grid, sized for the bucket's worst batch, costs more GPU time than a call
-# sized for the live batch (docs/benchmarks.md: bcg_compile_graph against bcg_compile on vLLM 0.33).
+# sized for the live batch (docs/benchmarks.md, earlier runs: vllm-0.33.0-qwen3-0.6b-2026-12-03T0258Z,
+# bcg_compile_graph against bcg_compile).
 AUTO_GRAPH_ATTENTION_TOKENS = 2048
 
 
