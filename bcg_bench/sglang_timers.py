@@ -24,12 +24,11 @@ They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of
   appends ``{"kind": "request", "tokens", "queued", "sent", "rank"}``: ``queued`` SGLang's own time
   the request last entered the waiting queue (a retracted request enters it again), ``sent`` the
   time the call returned, its output sent (every rank of a tensor-parallel group records; its
-  first rank's call is the one that sends).
-  With the step's ``t0`` and ``t1`` these split a request's end-to-end time into its path to the
-  queue, scheduling, the step, what the scheduler does until the output leaves (the rest of its
-  loop turn, result processing, the step record's own write) and its way back. Every stamp is
-  ``time.perf_counter()``, which on Linux reads the system-wide monotonic clock, so stamps of the
-  bench's and the schedulers' processes compare.
+  first rank's call is the one that sends). With the step's ``t0`` and ``t1`` these split a
+  request's end-to-end time into its path to the queue, scheduling, the step, what the scheduler
+  does until the output leaves (the rest of its loop turn, result processing, the step record's own
+  write) and its way back. Every stamp is ``time.perf_counter()``, which on Linux reads the
+  system-wide monotonic clock, so stamps of the bench's and the schedulers' processes compare.
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
