@@ -50,6 +50,17 @@ def plan(w, qlens, kvlens, slots, split_off) -> None:
            kv_data_type=torch.bfloat16, non_blocking=True, disable_split_kv=split_off)
 
 
+def device_us(fn, iters: int = 50) -> float:
+    """Device microseconds per call of ``fn``, over ``iters`` back-to-back calls (CUDA events)."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1000 / iters
+
+
 def graph_wrapper(split_off, kv_cache):
     """A CUDA-graph wrapper planned for one 512-token request in ``R`` slots, and its captured run."""
     from flashinfer import BatchPrefillWithPagedKVCacheWrapper
@@ -94,28 +105,15 @@ def main() -> None:
             q.copy_(torch.randn_like(q))
             g.replay()
             torch.cuda.synchronize()
-            qo, kv = indptrs(ql, kl, len(ql))
-            idx = torch.arange(int(kv[-1].item()), dtype=torch.int32, device="cuda") % PAGES
-            eager.plan(qo, kv, idx, torch.ones(len(ql), dtype=torch.int32, device="cuda"), HQ, HK, D, 1, causal=True,
-                       q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            plan(eager, ql, kl, len(ql), False)  # flashinfer's own eager plan: its defaults, split KV allowed
             ref = eager.run(q[:n].contiguous(), kv_cache)
             diff = (out[:n].float() - ref.float()).abs().max().item()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(5):
                 g.replay()
-            e0.record()
-            for _ in range(50):
-                g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            graph_us = e0.elapsed_time(e1) * 1000 / 50
-            e0.record()
-            for _ in range(50):
-                eager.run(q[:n], kv_cache)
-            e1.record()
-            torch.cuda.synchronize()
+            graph_us = device_us(g.replay)
+            eager_us = device_us(lambda: eager.run(q[:n], kv_cache))
             log(event="case", split_off=split_off, case=name, tokens=n, graph_us=round(graph_us, 2),
-                eager_us=round(e0.elapsed_time(e1) * 1000 / 50, 2), max_abs_diff=diff)
+                eager_us=round(eager_us, 2), max_abs_diff=diff)
     log(event="done")
 
 
