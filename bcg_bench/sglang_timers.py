@@ -6,10 +6,11 @@ They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of
 
 * ``ModelRunner.forward`` (AROUND): each extend forward, and an idle DP-attention rank's forward
   while another rank extends, appends ``{"kind": "forward", "tokens", "requests", "ms", "host_ms",
-  "rank", "graph", "across_dp"}`` to the record file: ``requests`` the step's requests (a mixed
+  "rank", "graph", "variant", "across_dp"}`` to the record file: ``requests`` the step's requests (a mixed
   step's decodes among them), ``ms`` from CUDA events, ``host_ms`` the host time
-  spent issuing the forward, ``across_dp`` SGLang's replicated per-DP-rank token counts (``None``
-  without DP attention). The synchronisation it adds makes it unfit for serving. With
+  spent issuing the forward, ``variant`` the bcg graph variant it replayed in (``None`` for a
+  bucket's own graph and for other runners), ``across_dp`` SGLang's replicated per-DP-rank token
+  counts (``None`` without DP attention). The synchronisation it adds makes it unfit for serving. With
   ``bcg bench --profile N``, the first N-token forward once the bench arms the profiler
   (:func:`profile_arm_path`) runs under ``torch.profiler`` and appends ``{"kind": "host_profile",
   "rank", ...}`` (:mod:`bcg_bench.profile`).
@@ -54,6 +55,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from bcg_plugin.patches import NOT_FILED, Patch, PatchSet
 from bcg_plugin.patches.sglang import GATE, Hook
@@ -97,6 +99,10 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+# This scheduler process's bcg runtime counters, once its capture is recorded.
+_BCG_STATS: dict[str, Any] = {}
+
+
 def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     import torch
 
@@ -114,6 +120,8 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     profiler = _profiler(path)
     profiled_before = profiler is not None and profiler.summary is not None
+    variants = _BCG_STATS.get("stats")
+    replays_before = dict(variants.replays_by_variant) if variants is not None else {}
     start.record()
     t0 = time.perf_counter()
     with profiler.around(tokens) if profiler else contextlib.nullcontext():
@@ -124,9 +132,14 @@ def around_forward(original_fn, self, forward_batch, *args, **kwargs):
     rank = _rank()
     if profiler is not None and profiler.summary is not None and not profiled_before:
         append_record(path, {"kind": "host_profile", "rank": rank, **profiler.summary})
+    variant = None
+    if variants is not None:
+        variant = next((name for name, n in variants.replays_by_variant.items()
+                        if n > replays_before.get(name, 0)), None)
     append_record(path, {"kind": "forward", "tokens": tokens, "requests": requests,
                          "ms": start.elapsed_time(end), "host_ms": host_ms,
-                         "rank": rank, "graph": bool(getattr(out, "can_run_graph", False)), "across_dp": across_dp})
+                         "rank": rank, "graph": bool(getattr(out, "can_run_graph", False)), "variant": variant,
+                         "across_dp": across_dp})
     return out
 
 
@@ -170,6 +183,8 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         return None
     runner = getattr(result, "runner", None)
     core = getattr(runner, "core", None)
+    if core is not None:  # the forward timer reads which variant each replay ran in from its counters
+        _BCG_STATS["stats"] = core.stats
     append_record(path, {
         "kind": "capture",
         "rank": _rank(),
@@ -183,6 +198,7 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         # bcg's runner is built before it captures; one whose capture failed serves eagerly.
         "bcg_buckets": core.stats.buckets_captured if core is not None else None,
         "bcg_graph_attention_buckets": sorted(core.graph_attention) if core is not None else None,
+        "bcg_graph_variants": {str(b): list(v) for b, v in core.graph_variants.items()} if core is not None else None,
         # Layers whose KV-cache store the capture put in the segment before their break.
         "bcg_store_in_graph_layers": len(runner.host.stored_in_graph) if core is not None else None,
     })

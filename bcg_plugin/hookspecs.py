@@ -115,7 +115,20 @@ class BcgHostSpec:
         """
 
     @hookspec(firstresult=True)
-    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool) -> HostBatch:
+    def bcg_graph_variants(self, buckets: list[int]) -> dict[int, list[str]] | None:
+        """Return, per bucket, the names of the further graphs it is captured as, or ``None`` for none.
+
+        ``buckets`` are those whose attention stays inside the graph (:meth:`bcg_graph_attention`),
+        and only they may have variants. A variant is the same bucket captured again from a capture
+        batch the host plans differently (:meth:`bcg_dummy_batch` with ``variant``), for example with
+        another attention kernel that serves only some steps; the host picks it per step
+        (:meth:`~bcg_plugin.PrefillGraphRunner.replay` with ``variant``) and lands that step's
+        metadata as that variant reads it. Asked once per capture, after :meth:`bcg_graph_attention`;
+        the answer must be the same on every rank.
+        """
+
+    @hookspec(firstresult=True)
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool, variant: str | None) -> HostBatch:
         """Return a capture batch of exactly ``num_tokens`` rows (bs=1 extend, KV to a dummy slot;
         with ``graph_attention``, as many requests as the host pads such a bucket's steps to).
 
@@ -123,6 +136,8 @@ class BcgHostSpec:
         attention on it once; nothing of it is read again at replay. ``graph_attention``: the
         bucket keeps attention inside the graph (:meth:`bcg_graph_attention`), so the batch's
         attention metadata must live in the buffers every replay of the bucket lands its own in.
+        ``variant``: ``None`` for the bucket's graph, else the name of the variant being captured
+        (:meth:`bcg_graph_variants`); a host that names variants takes this argument.
         """
 
     @hookspec(firstresult=True)

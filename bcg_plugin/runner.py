@@ -56,7 +56,8 @@ def _agreed(step: Callable[[], T], group: Any) -> tuple[T | None, CaptureStatus,
 class PrefillGraphRunner:
     """Engine-agnostic prefill/extend graphs keyed by padded token count.
 
-    Holds one :class:`~bcg_plugin.capture.SegmentedGraph` per bucket, the static per-row input
+    Holds one :class:`~bcg_plugin.capture.SegmentedGraph` per bucket (and one per variant the host
+    names for it, :meth:`~bcg_plugin.hookspecs.BcgHostSpec.bcg_graph_variants`), the static per-row input
     buffers (its own, or views of the host's persistent ones where the adapter declares them), the
     padded-row flags the graphs read (:class:`~bcg_plugin.padding.PaddedRows`) and one shared
     output buffer (all sized for the top bucket and allocated outside capture, so no bucket's inputs
@@ -83,11 +84,13 @@ class PrefillGraphRunner:
             self.buckets = resolve_buckets(self.config.max_tokens, from_host or self.config.sizes)
         self.stats = RuntimeStats()
         self._graphs: dict[int, SegmentedGraph] = {}
+        self._variant_graphs: dict[tuple[int, str], SegmentedGraph] = {}
         self._pool: GraphPool | None = None
         self._static: dict[str, torch.Tensor] = {}
         self._pads: dict[str, float | int] = {}
         self._padded: PaddedRows | None = None
         self.graph_attention: frozenset[int] = frozenset()
+        self.graph_variants: dict[int, tuple[str, ...]] = {}
         self._output: torch.Tensor | None = None
         self._capture_failed = False
         self._fallback_capture_stream: torch.cuda.Stream | None = None
@@ -138,12 +141,13 @@ class PrefillGraphRunner:
             # The pool is only part of it: the driver holds memory for every captured segment.
             self.stats.graph_bytes = max(free_before - self._free_device_bytes(), 0)
             self.stats.graph_attention_buckets = sorted(self.graph_attention)
+            self.stats.variant_graphs = len(self._variant_graphs)
             logger.info(
                 "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s (warm-up forwards %.2f s), "
                 "graph memory %.3f GiB (pool %.3f GiB); %s",
                 len(self._graphs), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
                 self.stats.warmup_seconds, self.stats.graph_bytes / 2**30, self.stats.pool_bytes / 2**30,
-                attention_summary(self.buckets, self.graph_attention),
+                attention_summary(self.buckets, self.graph_attention, self.graph_variants),
             )
             return
         self.close()
@@ -168,11 +172,11 @@ class PrefillGraphRunner:
         For hosts that size their KV cache before any capture. The top bucket's capture takes the
         pool (the activations every smaller bucket reuses), the static buffers and its own
         segments; each further bucket adds little more than its own segments, which the next
-        bucket of its kind samples: a bucket with attention inside the graph is one segment, one
-        with eager breaks a segment per layer, so the largest further bucket of each kind is
-        sampled. What a sample grows the pool by (the first graph-resident attention's buffers, say)
-        is charged once, the rest (at least :data:`MIN_BUCKET_BYTES`) once per bucket of its kind:
-        the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and
+        bucket of its kind samples: a bucket with attention inside the graph is one segment (one
+        more per variant), one with eager breaks a segment per layer, so the largest further bucket
+        of each kind is sampled. What a sample grows the pool by (the first graph-resident
+        attention's buffers, say) is charged once, the rest (at least :data:`MIN_BUCKET_BYTES`) once
+        per bucket of its kind: the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and
         agrees on the outcome as in :meth:`capture`. The runner is left as it was and its pool
         returned to the device, so :meth:`capture` can follow and a host measuring free memory sees
         none of the sample; if the sample fails on any rank the estimate is 0 (logged): it is advice
@@ -230,13 +234,19 @@ class PrefillGraphRunner:
     def _estimate_sample(self) -> dict[int, int]:
         """The buckets :meth:`estimate_graph_bytes` captures, each with how many buckets it stands for:
         the top bucket for itself, then the largest further bucket of each kind (attention inside the
-        graph, or broken out) for every further bucket of that kind."""
+        graph or broken out, and the variants it is also captured as) for every further bucket of
+        that kind."""
+
+        def kind(bucket: int) -> tuple[bool, tuple[str, ...]]:
+            return bucket in self.graph_attention, self.graph_variants.get(bucket, ())
+
         top, *rest = sorted(self.buckets, reverse=True)
         sample = {top: 1}
-        for inline in (top in self.graph_attention, top not in self.graph_attention):
-            kind = [bucket for bucket in rest if (bucket in self.graph_attention) == inline]
-            if kind:
-                sample[kind[0]] = len(kind)
+        groups: dict[tuple[bool, tuple[str, ...]], list[int]] = {}
+        for bucket in rest:  # largest first, so each group's first bucket is its largest
+            groups.setdefault(kind(bucket), []).append(bucket)
+        for group in groups.values():
+            sample[group[0]] = len(group)
         return sample
 
     def _device_lost(self, error: BaseException, during: str) -> BcgCaptureError | None:
@@ -283,6 +293,7 @@ class PrefillGraphRunner:
             raise BcgConfigError("the adapter declared no static inputs (bcg_static_inputs returned nothing)")
         top = self.buckets[-1]
         self.graph_attention = self._plan_attention()
+        self.graph_variants = self._plan_variants()
         self._pool = GraphPool()
         with self._pool.allocating():  # live blocks in the pool's segments, not segments of their own
             self._static = {name: self._static_buffer(name, spec, top) for name, spec in specs.items()}
@@ -314,6 +325,35 @@ class PrefillGraphRunner:
                                 "capture batch; take it, or return None from bcg_graph_attention")
         return chosen
 
+    def _plan_variants(self) -> dict[int, tuple[str, ...]]:
+        """The further graphs each graph-attention bucket is captured as: the host's answer
+        (:meth:`~bcg_plugin.hookspecs.BcgHostSpec.bcg_graph_variants`), checked."""
+        if not self.graph_attention or not self._hook.bcg_graph_variants.get_hookimpls():
+            return {}
+        chosen = self._hook.bcg_graph_variants(buckets=sorted(self.graph_attention))
+        if not chosen:
+            return {}
+        if not isinstance(chosen, dict):
+            raise BcgStateError(f"bcg_graph_variants returned {chosen!r}: a dict of bucket to names or None "
+                                "was expected")
+        variants: dict[int, tuple[str, ...]] = {}
+        for bucket, names in chosen.items():
+            if bucket not in self.graph_attention:
+                raise BcgStateError(f"bcg_graph_variants named bucket {bucket!r}, whose attention is not inside "
+                                    "the graph; only those buckets may have variants")
+            names = tuple(names)
+            if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+                raise BcgStateError(f"bcg_graph_variants gave bucket {bucket} {list(names)!r}: distinct, "
+                                    "non-empty names were expected")
+            if names:
+                variants[bucket] = names
+        blind = [impl.plugin_name for impl in self._hook.bcg_dummy_batch.get_hookimpls()
+                 if "variant" not in impl.argnames]
+        if variants and blind:
+            raise BcgStateError(f"bcg_graph_variants named variants, but bcg_dummy_batch of {', '.join(blind)} "
+                                "takes no variant argument, so it cannot build their capture batch")
+        return variants
+
     def _fallback_stream(self) -> torch.cuda.Stream:
         """The capture stream for hosts that name none: ``torch.cuda.graph``'s own, else one for the runner's life.
 
@@ -339,21 +379,27 @@ class PrefillGraphRunner:
     def _capture_buckets(self, buckets: list[int], stream: torch.cuda.Stream, group: Any, progress: bool,
                          after_each: Callable[[], None] | None) -> None:
         ordered = sorted(buckets, reverse=True)
+        every = self.config.warmup == "every_bucket"
+        warmed: set[str] = set()  # variants captured once: the first of each runs its kernels eagerly first
         for i, bucket in enumerate(tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress,
                                         leave=False)):
-            warm = i == 0 or self.config.warmup == "every_bucket"
-            self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=warm)
+            self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=i == 0 or every)
+            for name in self.graph_variants.get(bucket, ()):
+                graph = self._capture_agreed(bucket, stream, group, warm=name not in warmed or every, variant=name)
+                self._variant_graphs[(bucket, name)] = graph
+                warmed.add(name)
             if after_each is not None:
                 after_each()
 
-    def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool) -> SegmentedGraph:
+    def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool,
+                        variant: str | None = None) -> SegmentedGraph:
         """Capture one bucket, then agree on the outcome with every rank before the next one.
 
         A warm-up runs the body's collectives eagerly, so no rank may start one that another rank
         (stopped by a failure) will never join: every rank stops at the same bucket. A direct
         capture (no warm-up) that failed on any rank is retried by every rank after a warm-up.
         """
-        graph, world, error = _agreed(lambda: self._capture_bucket(bucket, stream, warm=warm), group)
+        graph, world, error = _agreed(lambda: self._capture_bucket(bucket, stream, warm=warm, variant=variant), group)
         if world is CaptureStatus.OK:
             return graph
         if graph is not None:
@@ -361,14 +407,15 @@ class PrefillGraphRunner:
         if world is CaptureStatus.FAILED and not warm:
             logger.info("bcg: bucket %d did not capture without a warm-up (%s); recapturing it after one",
                         bucket, repr(error) if error is not None else "on another rank")
-            return self._capture_agreed(bucket, stream, group, warm=True)
+            return self._capture_agreed(bucket, stream, group, warm=True, variant=variant)
         if error is not None:
             raise error
         raise _PeerCaptureFailure(world)
 
-    def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream, *, warm: bool = True) -> SegmentedGraph:
+    def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream, *, warm: bool = True,
+                        variant: str | None = None) -> SegmentedGraph:
         inline = bucket in self.graph_attention
-        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=inline)
+        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=inline, variant=variant)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
         self._land(batch, bucket)
@@ -436,11 +483,17 @@ class PrefillGraphRunner:
         """Count an eager forward the adapter decided on (e.g. a feature the graphs do not capture)."""
         self.stats.record_fallback(reason)
 
-    def replay(self, bucket: int, batch: HostBatch) -> Any:
-        """Land ``batch`` in ``bucket``'s inputs, replay its segments and breaks, run the logits tail."""
+    def replay(self, bucket: int, batch: HostBatch, variant: str | None = None) -> Any:
+        """Land ``batch`` in ``bucket``'s inputs, replay its segments and breaks (or those of its
+        graph ``variant``), run the logits tail."""
         graph = self._graphs.get(bucket)
         if graph is None:
             raise BcgStateError(f"no graph for bucket {bucket}; pick buckets with bucket_for()")
+        if variant is not None:
+            graph = self._variant_graphs.get((bucket, variant))
+            if graph is None:
+                raise BcgStateError(f"bucket {bucket} has no graph variant {variant!r} "
+                                    f"(it has {list(self.graph_variants.get(bucket, ())) or 'none'})")
         if not 0 < batch.num_tokens <= bucket:
             raise BcgStateError(f"a batch of {batch.num_tokens} tokens cannot replay in bucket {bucket}")
         if self._embed is not None:
@@ -452,7 +505,7 @@ class PrefillGraphRunner:
         with live.bound(live.LiveBatch(batch.num_tokens, bucket, batch.payload, scrub_start)):
             graph.replay(breaks_zero_padding=batch.num_tokens < scrub_start)
         requested = batch.num_tokens if batch.requested_tokens is None else batch.requested_tokens
-        self.stats.record_replay(bucket, requested)
+        self.stats.record_replay(bucket, requested, variant)
         hidden = self._output[: batch.num_tokens]
         tail = self._logits_tail(hidden=hidden, batch=batch) if self._logits_tail is not None else None
         return hidden if tail is None else tail
@@ -479,8 +532,10 @@ class PrefillGraphRunner:
     def close(self) -> None:
         """Drop graphs, then the buffers they point at, then the pool (pitfall 10)."""
         self.graph_attention = frozenset()
-        for graph in self._graphs.values():
+        self.graph_variants = {}
+        for graph in (*self._variant_graphs.values(), *self._graphs.values()):
             graph.release()
+        self._variant_graphs.clear()
         self._graphs.clear()
         self._static.clear()
         self._padded = None
@@ -490,8 +545,10 @@ class PrefillGraphRunner:
         self._pool = None
 
 
-def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[int]) -> str:
-    """Where each bucket's attention runs, as the capture summary and ``bcg doctor`` print it."""
+def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[int],
+                      variants: dict[int, tuple[str, ...]] | None = None) -> str:
+    """Where each bucket's attention runs, and the variants graph buckets are also captured as,
+    as the capture summary and ``bcg doctor`` print it."""
 
     def sizes(group: list[int]) -> str:
         if not group:
@@ -500,4 +557,7 @@ def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[
 
     inside = [b for b in buckets if b in graph_attention]
     broken = [b for b in buckets if b not in graph_attention]
-    return f"attention inside the graph: {sizes(inside)}; eager break: {sizes(broken)}"
+    summary = f"attention inside the graph: {sizes(inside)}; eager break: {sizes(broken)}"
+    for name in sorted({n for names in (variants or {}).values() for n in names}):
+        summary += f"; also as {name!r}: {sizes([b for b in buckets if name in (variants or {}).get(b, ())])}"
+    return summary

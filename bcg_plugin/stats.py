@@ -39,11 +39,16 @@ class RuntimeStats:
     pool_bytes: int = 0  # the part of graph_bytes in the graphs' memory pool
     # Buckets whose attention was captured inside the graph: their replays run no eager step at all.
     graph_attention_buckets: list[int] = dataclasses.field(default_factory=list)
+    # Further graphs of those buckets (the host's variants) and the replays each variant served.
+    variant_graphs: int = 0
+    replays_by_variant: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
-    def record_replay(self, bucket: int, num_tokens: int) -> None:
+    def record_replay(self, bucket: int, num_tokens: int, variant: str | None = None) -> None:
         self.replays_by_bucket[bucket] += 1
         self.real_tokens += num_tokens
         self.padded_tokens += bucket - num_tokens
+        if variant is not None:
+            self.replays_by_variant[variant] += 1
 
     def record_fallback(self, reason: Fallback) -> None:
         self.fallbacks[reason.value] += 1
@@ -58,7 +63,9 @@ class RuntimeStats:
             f"replays={sum(self.replays_by_bucket.values())} "
             f"fallbacks={dict(self.fallbacks) or 0} padding_waste={self.padding_waste:.1%} "
             f"buckets={self.buckets_captured} graph_attention={len(self.graph_attention_buckets)} "
-            f"capture={self.capture_seconds:.2f}s "
+            + (f"variants={self.variant_graphs} variant_replays={dict(self.replays_by_variant) or 0} "
+               if self.variant_graphs else "")
+            + f"capture={self.capture_seconds:.2f}s "
             f"(warmup={self.warmup_seconds:.2f}s) "
             f"graph_mem={self.graph_bytes / 2**30:.3f}GiB (pool {self.pool_bytes / 2**30:.3f}GiB)"
         )

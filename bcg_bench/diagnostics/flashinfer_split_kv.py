@@ -1,4 +1,5 @@
-"""Diagnostic: flashinfer's paged prefill in a CUDA graph, planned with and without split KV.
+"""Diagnostic: flashinfer's paged prefill in a CUDA graph, planned with and without split KV, and
+its ragged prefill in a CUDA graph.
 
 Run on the GPU host in SGLang 0.5.23's environment (flashinfer 0.7.2)::
 
@@ -9,9 +10,11 @@ prefill with split KV, and a split plan adds a merge kernel to every layer. This
 attention layer of the Qwen3-0.6B shape (16 query heads, 8 KV heads, head dim 128, page size 1) at a
 512-token bucket with 64 request slots, as SGLang's plan pads them, once with split KV and once with
 ``disable_split_kv``, and replays each for fresh prompts and for short steps on long cached prefixes.
-Per case it prints the replay's device time (CUDA events, 50 replays), the same call planned eagerly,
-and the largest difference of the graph's rows from the eager call's. Lines of JSON, also appended
-to ``$OUT/fi_split.jsonl``.
+Then it captures the ragged prefill bcg's ``fresh`` variant runs (attention over the step's own keys
+and values, the kernels SGLang's eager ragged wrapper asks for, planned without split KV) at the same
+bucket and slots, and replays it for the fresh prompts. Per case it prints the replay's device time
+(CUDA events, 50 replays), the same call planned eagerly, and the largest difference of the graph's
+rows from the eager call's. Lines of JSON, also appended to ``$OUT/fi_split.jsonl``.
 """
 import json
 import os
@@ -85,6 +88,56 @@ def graph_wrapper(split_off, kv_cache):
     return w, g, q, out
 
 
+def ragged_plan(w, qlens, slots, split_off) -> None:
+    qo, _ = indptrs(qlens, qlens, slots)
+    qo = qo.cpu()
+    w.plan(qo, qo, HQ, HK, D, causal=True, q_data_type=torch.bfloat16, disable_split_kv=split_off)
+
+
+def ragged_cases() -> None:
+    """The ragged prefill captured at the bucket and replayed for each fresh case, against an eager call."""
+    from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+    t = time.time()
+    bufs = dict(qo_indptr_buf=torch.zeros(R + 1, dtype=torch.int32, device="cuda"),
+                kv_indptr_buf=torch.zeros(R + 1, dtype=torch.int32, device="cuda"))
+    w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD",
+                                             use_cuda_graph=True, backend="auto", **bufs)
+    eager = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"), "NHD",
+                                                 backend="auto")
+    q = torch.randn(BUCKET, HQ, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(BUCKET, HK, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(BUCKET, HK, D, dtype=torch.bfloat16, device="cuda")
+    ragged_plan(w, [BUCKET], R, True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        w.run(q, k, v)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = w.run(q, k, v)
+    log(event="captured", kernel="ragged", backend=w._backend, seconds=round(time.time() - t, 1))
+    for name, (ql, kl) in CASES.items():
+        if ql != kl:  # a cached prefix: the paged plan's case
+            continue
+        n = sum(ql)
+        ragged_plan(w, ql, R, True)
+        for t_ in (q, k, v):
+            t_.copy_(torch.randn_like(t_))
+        g.replay()
+        torch.cuda.synchronize()
+        ragged_plan(eager, ql, len(ql), False)
+        ref = eager.run(q[:n].contiguous(), k[:n].contiguous(), v[:n].contiguous())
+        diff = (out[:n].float() - ref.float()).abs().max().item()
+        for _ in range(5):
+            g.replay()
+        graph_us = device_us(g.replay)
+        eager_us = device_us(lambda: eager.run(q[:n], k[:n], v[:n]))
+        log(event="case", kernel="ragged", case=name, tokens=n, graph_us=round(graph_us, 2),
+            eager_us=round(eager_us, 2), max_abs_diff=diff)
+
+
 def main() -> None:
     import flashinfer
     from flashinfer import BatchPrefillWithPagedKVCacheWrapper
@@ -114,6 +167,7 @@ def main() -> None:
             eager_us = device_us(lambda: eager.run(q[:n], kv_cache))
             log(event="case", split_off=split_off, case=name, tokens=n, graph_us=round(graph_us, 2),
                 eager_us=round(eager_us, 2), max_abs_diff=diff)
+    ragged_cases()
     log(event="done")
 
 

@@ -27,6 +27,12 @@ from bcg_bench import sglang_timers  # noqa: E402
 pytestmark = pytest.mark.sglang
 
 
+@pytest.fixture(autouse=True)
+def _no_bcg_counters(monkeypatch):
+    """Each test starts as a scheduler process whose capture is not recorded yet."""
+    monkeypatch.setattr(sglang_timers, "_BCG_STATS", {})
+
+
 @pytest.mark.parametrize("mode, extend_in_batch, recorded", [
     ("EXTEND", False, True),
     ("IDLE", True, True),  # an idle DP rank padded to the other rank's extend replays too
@@ -51,6 +57,35 @@ def test_forward_records_cover_an_idle_dp_rank_during_extends(monkeypatch, tmp_p
     if recorded:
         assert records[0]["across_dp"] == [0, 3] and step_tokens(records[0]) == 3
         assert records[0]["requests"] == (0 if mode == "IDLE" else 2)
+
+
+@pytest.mark.usefixtures("fake_cuda_events")
+def test_forward_records_name_the_graph_variant_bcg_replayed_in(monkeypatch, tmp_path):
+    import collections
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    path = tmp_path / "forwards.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    fb = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, input_ids=[1, 2, 3], global_num_tokens_cpu=None,
+                               batch_size=1)
+    stats = types.SimpleNamespace(replays_by_variant=collections.Counter({"fresh": 4}), pool_bytes=0, graph_bytes=0,
+                                  capture_seconds=0.0, warmup_seconds=0.0, buckets_captured=1)
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({16}), graph_variants={16: ("fresh",)})
+    sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(
+        runner=type("BcgPrefillRunner", (), {"core": core, "host": types.SimpleNamespace(stored_in_graph=set())})()))
+
+    def replay(variant):
+        def forward(self, batch):
+            if variant is not None:
+                stats.replays_by_variant[variant] += 1
+            return types.SimpleNamespace(can_run_graph=True)
+        return forward
+
+    sglang_timers.around_forward(replay("fresh"), None, fb)
+    sglang_timers.around_forward(replay(None), None, fb)
+    forwards = [json.loads(line) for line in path.read_text().splitlines() if '"forward"' in line]
+    assert [f["variant"] for f in forwards] == ["fresh", None]
 
 
 @pytest.mark.parametrize("mode, recorded", [("EXTEND", True), ("MIXED", True), ("DECODE", False),
@@ -164,7 +199,7 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
     stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5,
                                   buckets_captured=56)
-    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({64, 16}))
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({64, 16}), graph_variants={16: ("fresh",)})
     host = types.SimpleNamespace(stored_in_graph={0, 1, 2})
     bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": core, "host": host})(),
                                 memory_usage_gb=0.75, capture_time=2.0)
@@ -175,7 +210,8 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     first, second = (json.loads(line) for line in path.read_text().splitlines())
     assert first == {"kind": "capture", "rank": 0, "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
                      "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
-                     "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64], "bcg_store_in_graph_layers": 3}
+                     "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64],
+                     "bcg_graph_variants": {"16": ["fresh"]}, "bcg_store_in_graph_layers": 3}
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
 
 
@@ -184,7 +220,7 @@ def _capture_result(runner: str, buckets: int | None, graph_attention=()):
     keeping attention inside the graph) or SGLang's own."""
     stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
                                   buckets_captured=buckets)
-    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention))
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention), graph_variants={})
     attrs = {} if buckets is None else {"core": core, "host": types.SimpleNamespace(stored_in_graph=set())}
     return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
 

@@ -163,7 +163,7 @@ def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
                                 BcgConfig(enable=True, sizes=(16, 32, 64), **config), chunk_size=64, device="cpu")
     log = []
 
-    def capture_bucket(bucket, stream, *, warm=True):
+    def capture_bucket(bucket, stream, *, warm=True, variant=None):
         log.append((bucket, warm))
         if rank == failing_rank and bucket == fail_bucket and (fail_when == "always" or not warm):
             raise error

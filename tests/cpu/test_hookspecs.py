@@ -9,6 +9,7 @@ from bcg_plugin.hookspecs import BcgHostSpec, PROJECT_NAME
 EXPECTED_HOOKS = {
     "bcg_prefill_buckets", "bcg_static_inputs", "bcg_dummy_batch", "bcg_body_forward", "bcg_embed",
     "bcg_logits_tail", "bcg_world_group", "bcg_capture_stream", "bcg_graph_attention",
+    "bcg_graph_variants",
 }
 
 

@@ -24,7 +24,7 @@ class _FakeDevice:
         self.pool_bytes = 0
         self.captured, self.released, self.events = [], [], []
 
-    def capture(self, bucket, stream, warm=True):
+    def capture(self, bucket, stream, warm=True, variant=None):
         if bucket == self.failing_bucket:
             raise RuntimeError(f"injected failure at bucket {bucket}")
         cost = TOP_COST if not self.captured else self.cost.get(bucket, FURTHER_COST)
@@ -196,7 +196,8 @@ def test_estimate_and_capture_share_one_stream_when_the_host_names_none(monkeypa
     monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
     monkeypatch.setattr(runner_mod, "default_capture_stream", lambda _: torch_stream)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    runner._capture_bucket = lambda bucket, stream, warm=True: (seen.append(stream), device.capture(bucket, stream))[1]
+    runner._capture_bucket = lambda bucket, stream, warm=True, variant=None: (
+        seen.append(stream), device.capture(bucket, stream))[1]
     runner.estimate_graph_bytes()
     runner.capture(progress=False)
     assert runner.captured and len(seen) == 2 + len(SIZES)

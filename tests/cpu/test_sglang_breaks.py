@@ -482,7 +482,7 @@ def _runner_whose_body_reaches(op, capture_failure="eager"):
                                 chunk_size=32, device="cpu")
     runner._prepare_capture = lambda: runner.__setattr__("_pool", _FakePool())
 
-    def capture_bucket(bucket, stream, warm=True):
+    def capture_bucket(bucket, stream, warm=True, variant=None):
         op(torch.zeros(bucket))
         return types.SimpleNamespace(release=lambda: None)
 

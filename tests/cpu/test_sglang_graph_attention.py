@@ -121,7 +121,7 @@ def batch(seq_lens, prefix_lens):
     return types.SimpleNamespace(
         batch_size=len(seq_lens), seq_lens=seq, seq_lens_cpu=seq.clone(), extend_prefix_lens=prefix,
         extend_seq_lens=seq - prefix, req_pool_indices=torch.arange(3, 3 + len(seq_lens)), seq_lens_sum=int(seq.sum()),
-        forward_mode="extend")
+        forward_mode="extend", extend_seq_lens_cpu=(seq - prefix).tolist(), extend_prefix_lens_cpu=prefix.tolist())
 
 
 def test_the_padded_view_lands_the_requests_before_zero_length_ones_and_leaves_the_batch_alone():
@@ -234,6 +234,119 @@ def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
     assert captured == [True]
     fb = host.bcg_dummy_batch(256, graph_attention=False).payload.forward_batch
     assert fb.batch_size == 3 and captured == [True, "eager"]
+
+
+# -- the variant for steps without a cached prefix ---------------------------------------------
+
+
+class _Ragged:
+    """The ragged graph wrapper's plan, recorded."""
+
+    def __init__(self):
+        self.plans = []
+
+    def begin_forward(self, qo_indptr, kv_indptr, *args, **kwargs):
+        self.plans.append((qo_indptr.tolist(), kv_indptr.tolist(), args, kwargs))
+
+
+def fresh_runner(monkeypatch, version="0.7.2", ragged_backend="auto", max_req=4):
+    """A runner whose graph buckets get the fresh variant where ``version`` and the eager ragged
+    wrapper's backend allow it; the graph wrapper itself is a recorder (flashinfer's needs a GPU)."""
+    monkeypatch.setattr(ga.importlib.metadata, "version",
+                        lambda name: version if name == "flashinfer-python" else "0")
+    runner = model_runner(max_req=max_req)
+    backend = runner.attn_backend
+    backend.prefill_wrapper_ragged = types.SimpleNamespace(_requested_backend=ragged_backend)
+    backend.indices_updater_prefill = types.SimpleNamespace(num_qo_heads=16, num_kv_heads=8, head_dim=128,
+                                                           q_data_type=torch.bfloat16)
+    monkeypatch.setattr(ga.GraphAttention, "_ragged_wrapper", lambda self, r: _Ragged())
+    return runner
+
+
+@pytest.mark.parametrize("version, ragged_backend, why", [
+    ("0.6.14", "auto", "flashinfer 0.6.14 (its graph plans without split KV need 0.7.2"),
+    ("0.7.2", "cutlass", "runs 'cutlass', whose plan cannot be redone under a graph"),
+    ("0.7.2", "auto", None),
+    ("0.8.0", "fa2", None),
+])
+def test_the_fresh_variant_needs_flashinfer_072_and_a_ragged_kernel_whose_plan_can_be_redone(
+        monkeypatch, version, ragged_backend, why):
+    runner = fresh_runner(monkeypatch, version, ragged_backend)
+    reason = ga.fresh_decline_reason(runner.attn_backend)
+    assert reason == why if why is None else why in reason
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16, 64, 1024], "auto")
+    assert graph.variants([16, 64]) == (None if why else {16: [ga.FRESH], 64: [ga.FRESH]})
+
+
+def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(monkeypatch):
+    runner = fresh_runner(monkeypatch)
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16, 64], "graph")
+    assert graph.variant_for(batch([9, 7], [0, 0])) == ga.FRESH
+    assert graph.variant_for(batch([9, 7], [0, 3])) is None  # a cached prefix: the paged plan with split KV
+    assert graph.variant_for(batch([9, 8], [0, 7])) is None  # a mixed step's decode has one too
+    graph.ragged = None  # a backend without the variant
+    assert graph.variant_for(batch([9, 7], [0, 0])) is None
+
+
+def test_a_fresh_replay_plans_the_ragged_prefill_of_its_new_tokens_without_split_kv(monkeypatch):
+    runner = fresh_runner(monkeypatch)
+    paged = []
+    runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: paged.append(fb)
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16, 64], "graph")
+    graph.plan_replay(batch([9, 7, 5], [0, 0, 0]), ga.FRESH)
+    graph.plan_replay(batch([12], [0]), ga.FRESH)
+    first, second = graph.ragged.plans
+    assert first[0] == first[1] == [0, 9, 16, 21, 21]  # zero-length requests after the real ones
+    assert second[0] == [0, 12, 12, 12, 12]  # nothing left of the earlier, larger batch
+    assert first[2] == (16, 8, 128)
+    assert first[3] == {"causal": True, "q_data_type": torch.bfloat16, "disable_split_kv": True}
+    assert paged == []  # the paged wrappers keep the plan of the last step that read them
+    graph.plan_replay(batch([9, 7], [0, 3]))
+    assert len(paged) == 1 and len(graph.ragged.plans) == 2
+
+
+def test_a_fresh_capture_plans_the_ragged_wrapper_and_runs_its_body_on_it(monkeypatch):
+    from sglang.srt.layers.attention.flashinfer_backend import PrefillMetadata
+
+    runner = fresh_runner(monkeypatch)
+    backend = runner.attn_backend
+    eager = backend.prefill_wrapper_ragged
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16], "graph")
+    graph.plan_capture(batch([16, 0, 0, 0], [0, 0, 0, 0]), ga.FRESH)
+    assert graph.ragged.plans[0][0] == [0, 16, 16, 16, 16]
+    meta = backend.forward_metadata
+    # SGLang's forward_extend reads these at capture: the ragged prefill with no prefix to merge
+    assert isinstance(meta, PrefillMetadata) and meta.use_ragged and meta.extend_no_prefix
+    assert meta.prefill_wrappers == ["wrapper"]
+    with graph.body_scope(ga.FRESH):
+        assert backend.prefill_wrapper_ragged is graph.ragged
+    assert backend.prefill_wrapper_ragged is eager
+    with pytest.raises(RuntimeError), graph.body_scope(ga.FRESH):
+        raise RuntimeError("a failed capture")
+    assert backend.prefill_wrapper_ragged is eager
+    with graph.body_scope(None):  # the bucket's own graph runs the paged plan
+        assert backend.prefill_wrapper_ragged is eager
+
+
+def test_the_capture_batch_of_a_variant_says_which_variant_it_was_planned_for(monkeypatch):
+    from bcg_plugin.adapters.sglang.host import SglangHost
+
+    runner = fresh_runner(monkeypatch)
+    runner.attention_layers = []
+    runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: None
+    host = SglangHost.__new__(SglangHost)
+    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
+    host.stored_in_graph = set()
+    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
+    assert host.bcg_graph_attention([16, 64], "graph") == [16, 64]
+    assert host.bcg_graph_variants([16, 64]) == {16: [ga.FRESH], 64: [ga.FRESH]}
+    assert host.bcg_dummy_batch(64, graph_attention=True, variant=ga.FRESH).payload.graph_variant == ga.FRESH
+    assert host.graph.ragged.plans[-1][0] == [0, 64, 64, 64, 64]
+    assert host.bcg_dummy_batch(64, graph_attention=True, variant=None).payload.graph_variant is None
 
 
 # -- what bcg doctor says --------------------------------------------------------------------

@@ -424,6 +424,22 @@ def test_bcg_runner_casts_its_own_dp_vote():
         assert cast(schedule_batch("EXTEND"), hook=False) is False  # what SGLang alone votes for bcg's runner
 
 
+def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_variant():
+    r = graph_attention_runner({16}, slots=2)
+    r.host.graph.ragged = object()  # the fresh variant was captured
+    r.host.forward_pass = lambda fb, kwargs: None
+    planned, replayed = [], []
+    r._plan_attention = lambda fb, bucket, variant=None: planned.append((bucket, variant))
+    r.core.replay = lambda bucket, batch, variant=None: replayed.append((bucket, variant))
+    for prefixes, tokens in (([0, 0], 12), ([0, 5], 12), ([0, 0], 30)):
+        fb = fake_batch(tokens, requests=2)
+        fb.extend_prefix_lens_cpu, fb.positions, fb.out_cache_loc = prefixes, None, None
+        assert r.can_run_graph(fb)
+        r.execute(fb)
+    # no cached prefix: the fresh variant; a prefix: the bucket's own graph; a breaking bucket: no variant
+    assert planned == replayed == [(16, "fresh"), (16, None), (32, None)]
+
+
 def test_execute_refuses_a_batch_it_did_not_plan():
     r = vote_runner()
     with pytest.raises(RuntimeError, match="can_run_graph"):
@@ -669,8 +685,9 @@ def planning_runner(planned: list, graph_planned: list | None = None, graph_buck
     r.model_runner = types.SimpleNamespace(attn_backend=types.SimpleNamespace(init_forward_metadata=planned.append),
                                            model=object())
     r.core = types.SimpleNamespace(graph_attention=graph_buckets)
+    graph_planned = graph_planned if graph_planned is not None else []
     r.host = types.SimpleNamespace(graph=types.SimpleNamespace(
-        plan_replay=(graph_planned if graph_planned is not None else []).append))
+        plan_replay=lambda fb, variant=None: graph_planned.append(fb if variant is None else (fb, variant))))
     r._previous_replay = None
     return r
 
@@ -724,6 +741,8 @@ def test_stale_metadata_fault_plans_the_earlier_batch_into_a_graph_buckets_wrapp
     r._plan_attention(first, 8)
     r._plan_attention(extend_batch(), 8)
     assert graph_planned == [first, first] and planned == []
+    r._plan_attention(extend_batch(), 8, "fresh")  # and the wrapper of the variant the live step replays in
+    assert graph_planned[-1] == (first, "fresh") and planned == []
 
 
 def test_stale_metadata_fault_never_plans_from_an_idle_dp_forward(stale_metadata_fault):

@@ -58,6 +58,7 @@ import os
 import random
 import statistics
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -484,6 +485,29 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
         assert len(inside) == capture["bcg_buckets"]
     else:  # the larger buckets break
         assert capture["bcg_buckets"] > len(inside)
+
+
+def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(runs):
+    """flashinfer 0.7.2 on: every graph bucket is also captured as the ``fresh`` variant (ragged
+    prefill, no split KV), and the run served both it and the buckets' own graphs (steps on a cached
+    prefix), so the check below covers both."""
+    from bcg_plugin.adapters.sglang.graph_attention import FRESH, fresh_decline_reason
+
+    capture = bcg_capture(runs)
+    inside = capture["bcg_graph_attention_buckets"]
+    if not inside:
+        pytest.skip("no bucket keeps attention inside the graph in this run")
+    # SGLang's eager ragged wrapper asks flashinfer for "auto" on Hopper: only the version decides
+    why_not = fresh_decline_reason(types.SimpleNamespace(prefill_wrapper_ragged=types.SimpleNamespace(
+        _requested_backend="auto")))
+    if why_not is not None:
+        assert not capture["bcg_graph_variants"]
+        pytest.skip(f"no fresh variant: {why_not}")
+    assert capture["bcg_graph_variants"] == {str(b): [FRESH] for b in inside}
+    graph_steps = [f for f in runs["bcg"]["forwards"] if f["graph"] and f["tokens"] <= max(inside)]
+    fresh = sum(f.get("variant") == FRESH for f in graph_steps)
+    print(f"[bcg gpu] {len(graph_steps)} replays in graph-attention buckets, {fresh} of them in the {FRESH!r} variant")
+    assert 0 < fresh < len(graph_steps), "the run did not serve both the fresh variant and the buckets' own graphs"
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):

@@ -38,6 +38,9 @@ class ForwardPass:
         stored_in_graph: the layers whose KV-cache store a capture put in the segment before their
             break (:func:`captured_then_break`); the host's own set, so it outlives the forward and
             the capture summary can say where the store runs.
+        graph_variant: the graph variant a capture batch was planned for
+            (:meth:`~bcg_plugin.adapters.sglang.graph_attention.GraphAttention.variants`); ``None``
+            for a bucket's own graph and at replay.
     """
 
     forward_batch: Any
@@ -45,6 +48,7 @@ class ForwardPass:
     attention_layers: list[Any]
     forward_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     stored_in_graph: set[int] = dataclasses.field(default_factory=set)
+    graph_variant: str | None = None
     # What every break of this forward narrows alike, worked out by its first break: the rows
     # attention sees, and the batch's cache slots and positions cut to them; keyed by what they were
     # cut from, since the capture swaps the bucket's static buffers into the batch.

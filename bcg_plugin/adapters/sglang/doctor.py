@@ -31,7 +31,7 @@ def diagnose() -> AdapterReport:
 def attention_scope(config: BcgConfig) -> str:
     """Where each bucket's attention runs under ``config``
     (:meth:`~bcg_plugin.adapters.sglang.graph_attention.GraphAttention.choose`)."""
-    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
+    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS, FRESH, FRESH_MIN_FLASHINFER
 
     if config.attention == "break":
         return "an eager break in every bucket"
@@ -39,8 +39,10 @@ def attention_scope(config: BcgConfig) -> str:
              else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones)")
     return (f"inside the graph in {where}, where SGLang runs the flashinfer attention backend without DP "
             "attention, sliding-window or cross attention, a step holding more requests than the buckets were "
-            "captured for replaying in the next bucket that breaks, or eagerly; an eager break on other "
-            "backends; the capture logs its choice by bucket range")
+            "captured for replaying in the next bucket that breaks, or eagerly; with flashinfer "
+            f"{FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a {FRESH!r} variant running the "
+            "ragged prefill for steps without a cached prefix; an eager break on other backends; the capture "
+            "logs its choice by bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

@@ -14,14 +14,25 @@ Its kernels are those of SGLang's full graphs, not eager's (a paged prefill over
 eager runs a ragged one over the new tokens), so its outputs are held to full's, not to eager's.
 ``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
 inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS`.
+
+Every graph bucket is also captured as the variant :data:`FRESH`, for steps whose requests have no
+cached prefix: there attention runs flashinfer's ragged prefill over the step's own keys and
+values, as SGLang's eager forward runs it, from a graph wrapper planned without split KV. The
+paged plan keeps split KV on (it is what lets a short step on a long prefix spread over the GPU),
+and in the graph it runs its merge even when nothing was split.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib.metadata
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
+
+from packaging.version import Version
 
 import torch
 
@@ -42,6 +53,15 @@ MIN_REQUEST_SLOTS = 64
 # bcg_break and full, on the Qwen3-0.6B shape; a larger model's GPU work hides the breaks from fewer
 # tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
+# The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
+FRESH = "fresh"
+# The first flashinfer whose graph plans mask the captured grid's padded tiles without split KV
+# (its scheduler writes the block-valid mask for every graph plan; earlier ones only for a split
+# one, and a plan without the split re-runs attention over the capture's whole grid).
+FRESH_MIN_FLASHINFER = Version("0.7.2")
+# The ragged backends SGLang's eager wrapper may ask for whose plan can be redone before every
+# replay of a graph (flashinfer's cutlass plan allocates new buffers on each call).
+FRESH_BACKENDS = ("auto", "fa2", "fa3")
 
 
 def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
@@ -74,6 +94,21 @@ def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
     pool = getattr(backend, "token_to_kv_pool", None)
     if getattr(pool, "requires_physical_write_loc", False):
         return "a KV pool that translates cache slots per forward"
+    return None
+
+
+def fresh_decline_reason(backend: Any) -> str | None:
+    """Why graph buckets get no :data:`FRESH` variant on this backend, or ``None`` where they do."""
+    try:
+        version = Version(importlib.metadata.version("flashinfer-python"))
+    except importlib.metadata.PackageNotFoundError:
+        return "flashinfer-python's version is unknown"
+    if version < FRESH_MIN_FLASHINFER:
+        return f"flashinfer {version} (its graph plans without split KV need {FRESH_MIN_FLASHINFER} or later)"
+    ragged = getattr(backend, "prefill_wrapper_ragged", None)
+    requested = getattr(ragged, "_requested_backend", None)
+    if requested not in FRESH_BACKENDS:
+        return f"the backend's ragged prefill runs {requested!r}, whose plan cannot be redone under a graph"
     return None
 
 
@@ -115,6 +150,19 @@ class RequestSlots:
         self.r = r
         self.buffers = {name: torch.zeros(r, dtype=torch.int64, device=device) for name in self.FIELDS}
         self.seq_lens_cpu = torch.zeros(r, dtype=torch.int64)
+        self.qo_indptr_cpu = torch.zeros(r + 1, dtype=torch.int32)
+
+    def extend_indptr(self, fb: Any) -> torch.Tensor:
+        """The ``r + 1`` offsets of ``fb``'s new tokens per request, from the host's lengths (no
+        device read), zero-length requests after its real ones: a ragged plan's ``qo_indptr``."""
+        bs = int(fb.batch_size)
+        if bs > self.r:
+            raise ValueError(f"{bs} requests do not fit {self.r} request slots")
+        lens = torch.as_tensor(fb.extend_seq_lens_cpu[:bs], dtype=torch.int32)
+        self.qo_indptr_cpu.zero_()
+        torch.cumsum(lens, 0, out=self.qo_indptr_cpu[1:bs + 1])
+        self.qo_indptr_cpu[bs + 1:] = self.qo_indptr_cpu[bs]
+        return self.qo_indptr_cpu
 
     def padded_view(self, fb: Any) -> Any:
         """A shallow copy of ``fb`` whose request vectors are this object's, ``fb``'s landed in
@@ -153,6 +201,7 @@ class GraphAttention:
         self.chunk = chunk
         self.buckets: list[int] = []
         self.slots: RequestSlots | None = None
+        self.ragged: Any = None  # the FRESH variant's graph wrapper, once graph buckets are chosen
         self._made_wrappers = False
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
@@ -178,7 +227,42 @@ class GraphAttention:
             self._made_wrappers = True
             self.slots = RequestSlots(r, self.device)
             self.buckets = chosen
+            fresh_reason = fresh_decline_reason(backend)
+            if fresh_reason is None:
+                self.ragged = self._ragged_wrapper(r)
+            else:
+                logger.info("bcg: graph buckets have no %r variant: %s", FRESH, fresh_reason)
         return list(self.buckets)
+
+    def variants(self, buckets: list[int]) -> dict[int, list[str]] | None:
+        """The :data:`FRESH` variant for every graph bucket, where the backend allows it."""
+        if self.ragged is None:
+            return None
+        return {bucket: [FRESH] for bucket in buckets if bucket in self.buckets}
+
+    def variant_for(self, fb: Any) -> str | None:
+        """The graph variant a step replays in: :data:`FRESH` where no request has a cached prefix
+        (a mixed step's decodes have one), else the bucket's own graph (``None``)."""
+        if self.ragged is None:
+            return None
+        prefixes = fb.extend_prefix_lens_cpu
+        return FRESH if prefixes is not None and not any(prefixes[: int(fb.batch_size)]) else None
+
+    def _ragged_wrapper(self, r: int) -> Any:
+        """A ragged prefill wrapper in graph mode for ``r`` requests, on the kernels SGLang's eager
+        ragged wrapper asks for. Its split-KV scratch is the paged graph wrappers' workspace: it
+        plans without the split, and the two never run in one replay."""
+        from flashinfer import BatchPrefillWithRaggedKVCacheWrapper
+
+        backend = self.model_runner.attn_backend
+        return BatchPrefillWithRaggedKVCacheWrapper(
+            backend.full_cg_prefill_workspace_buffer,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(r + 1, dtype=torch.int32, device=self.device),
+            kv_indptr_buf=torch.zeros(r + 1, dtype=torch.int32, device=self.device),
+            backend=backend.prefill_wrapper_ragged._requested_backend,
+        )
 
     def release(self) -> None:
         """Give back the wrappers, their workspace and the request slots made for graph buckets:
@@ -191,6 +275,7 @@ class GraphAttention:
                     setattr(backend, name, None)
             self._made_wrappers = False
         self.slots = None
+        self.ragged = None
         self.buckets = []
 
     @property
@@ -201,12 +286,38 @@ class GraphAttention:
         """Whether ``fb``'s requests fit the request slots of a graph bucket."""
         return self.slots is not None and int(fb.batch_size) <= self.slots.r
 
-    def plan_capture(self, fb: Any) -> None:
-        """Plan a graph bucket's capture batch into the wrappers its replays refill."""
-        self.model_runner.attn_backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    def plan_capture(self, fb: Any, variant: str | None = None) -> None:
+        """Plan a graph bucket's capture batch into the wrappers its replays refill: the paged
+        graph wrappers, or for :data:`FRESH` the ragged one, with the backend's metadata saying
+        ragged and no prefix so that its forward runs the ragged prefill."""
+        backend = self.model_runner.attn_backend
+        if variant is None:
+            backend.init_forward_metadata_out_graph(fb, in_capture=True)
+            return
+        from sglang.srt.layers.attention.flashinfer_backend import PrefillMetadata
 
-    def plan_replay(self, fb: Any) -> None:
-        """Land ``fb``'s requests into the slots and refill the wrappers the graph reads from them.
+        self._plan_ragged(fb)
+        backend.forward_metadata = PrefillMetadata(backend.full_cg_prefill_wrappers, use_ragged=True,
+                                                   extend_no_prefix=True)
+
+    @contextlib.contextmanager
+    def body_scope(self, variant: str | None) -> Iterator[None]:
+        """While a :data:`FRESH` capture batch runs, the backend's ragged prefill is the graph wrapper
+        (SGLang's forward reads it from the backend, and the graph keeps what it captured)."""
+        backend = self.model_runner.attn_backend
+        if variant != FRESH:
+            yield
+            return
+        eager = backend.prefill_wrapper_ragged
+        backend.prefill_wrapper_ragged = self.ragged
+        try:
+            yield
+        finally:
+            backend.prefill_wrapper_ragged = eager
+
+    def plan_replay(self, fb: Any, variant: str | None = None) -> None:
+        """Land ``fb``'s requests into the slots and refill the wrappers the graph (or its
+        ``variant``) reads from them.
 
         The captured kernels skip SGLang's per-layer waits for layers the hierarchical cache still
         loads, so the whole load is waited for first (as SGLang's full graphs do).
@@ -215,4 +326,16 @@ class GraphAttention:
         counter = getattr(self.model_runner.token_to_kv_pool, "layer_transfer_counter", None)
         if counter is not None and getattr(counter, "consumer_index", 0) >= 0:
             counter.wait_until(counter.num_layers - 1)
-        self.model_runner.attn_backend.init_forward_metadata_out_graph(self.slots.padded_view(fb))
+        if variant == FRESH:
+            self._plan_ragged(fb)
+        else:
+            self.model_runner.attn_backend.init_forward_metadata_out_graph(self.slots.padded_view(fb))
+
+    def _plan_ragged(self, fb: Any) -> None:
+        """Plan the ragged wrapper for ``fb``'s new tokens, as SGLang plans its eager one but without
+        split KV: keys are the step's own, so no request's are long enough to need it."""
+        assert self.slots is not None and self.ragged is not None
+        upd = self.model_runner.attn_backend.indices_updater_prefill
+        indptr = self.slots.extend_indptr(fb)
+        self.ragged.begin_forward(indptr, indptr, upd.num_qo_heads, upd.num_kv_heads, upd.head_dim,
+                                  causal=True, q_data_type=upd.q_data_type, disable_split_kv=True)

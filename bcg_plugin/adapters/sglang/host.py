@@ -71,10 +71,15 @@ class SglangHost:
         return self.graph.choose(buckets, attention)
 
     @hookimpl
-    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool) -> HostBatch:
+    def bcg_graph_variants(self, buckets: list[int]) -> dict[int, list[str]] | None:
+        return self.graph.variants(buckets)
+
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool, variant: str | None = None) -> HostBatch:
         """A plain extend of ``num_tokens`` new tokens, as few requests as the context allows; for a
         graph-attention bucket, followed by zero-length requests up to the request slots and planned
-        into the wrappers every replay of the bucket refills (:meth:`GraphAttention.plan_capture`)."""
+        into the wrappers every replay of the bucket (or of its ``variant``) refills
+        (:meth:`GraphAttention.plan_capture`)."""
         from sglang.srt.layers.dp_attention import DpPaddingMode
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
@@ -119,11 +124,13 @@ class SglangHost:
         # Planned once per bucket; every replay plans its own live batch instead.
         with batch_forward_context(mr, fb):
             if graph_attention:
-                self.graph.plan_capture(fb)
+                self.graph.plan_capture(fb, variant)
             else:
                 mr.attn_backend.init_forward_metadata(fb)
         inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
-        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb))
+        payload = self.forward_pass(fb)
+        payload.graph_variant = variant
+        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload)
 
     @hookimpl
     def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: ForwardPass) -> torch.Tensor:
@@ -139,6 +146,7 @@ class SglangHost:
         with contextlib.ExitStack() as scope, torch.no_grad():
             for context in self._body_contexts(fb, rows):
                 scope.enter_context(context)
+            scope.enter_context(self.graph.body_scope(payload.graph_variant))
             hidden = self.layer_model.forward(inputs["input_ids"], inputs["positions"], fb)
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(

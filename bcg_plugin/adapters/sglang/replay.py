@@ -193,7 +193,8 @@ class BcgPrefillRunner:
         if planned is None or planned[0] is not forward_batch:
             raise RuntimeError("bcg: execute() without a matching can_run_graph() for this batch")
         bucket = planned[1]
-        self._plan_attention(forward_batch, bucket)
+        variant = self.host.graph.variant_for(forward_batch) if bucket in self.core.graph_attention else None
+        self._plan_attention(forward_batch, bucket, variant)
         slots = forward_batch.out_cache_loc
         if faults.active():
             slots = _graph_slots(bucket, slots)
@@ -202,7 +203,7 @@ class BcgPrefillRunner:
             inputs={"input_ids": forward_batch.input_ids, "positions": forward_batch.positions, "out_cache_loc": slots},
             payload=self.host.forward_pass(forward_batch, kwargs),
         )
-        return self.core.replay(bucket, batch)
+        return self.core.replay(bucket, batch, variant)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -226,7 +227,7 @@ class BcgPrefillRunner:
                            method, ", ".join(sorted(unknown)))
         return True
 
-    def _plan_attention(self, forward_batch: Any, bucket: int) -> None:
+    def _plan_attention(self, forward_batch: Any, bucket: int, variant: str | None = None) -> None:
         """Plan attention for the live batch (the one per-replay metadata step, outside the graph).
 
         A fault plugin (:mod:`bcg_plugin.faults`, tests only) may have the previous replay's batch
@@ -247,7 +248,7 @@ class BcgPrefillRunner:
             self.model_runner.model.prepare_forward_batch(forward_batch)
         with batch_forward_context(self.model_runner, planned):
             if bucket in self.core.graph_attention:  # into the wrappers the bucket's graph reads
-                self.host.graph.plan_replay(planned)
+                self.host.graph.plan_replay(planned, variant)
             else:
                 backend.init_forward_metadata(planned)
 

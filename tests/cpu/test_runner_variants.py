@@ -1,0 +1,162 @@
+"""Graph variants: a graph-attention bucket captured again from a capture batch the host plans
+differently, and the variant the host names at replay is the one that runs."""
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, plugin_manager
+from bcg_plugin.hookspecs import hookimpl
+from bcg_plugin.runner import attention_summary
+
+SIZES = (16, 32, 64)
+
+
+class _Host:
+    """Attention inside the graph in ``inside``; ``variants`` from bcg_graph_variants."""
+
+    def __init__(self, inside=(16, 32), variants=None):
+        self.inside, self.variants = list(inside), variants
+
+    @hookimpl
+    def bcg_graph_attention(self, buckets, attention):
+        return self.inside
+
+    @hookimpl
+    def bcg_graph_variants(self, buckets):
+        return self.variants
+
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens, graph_attention, variant):
+        return HostBatch(num_tokens=num_tokens, inputs={})
+
+
+class _NoVariantArg(_Host):
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens, graph_attention):
+        return HostBatch(num_tokens=num_tokens, inputs={})
+
+
+class _Graph:
+    def __init__(self, log, key):
+        self.log, self.key = log, key
+
+    def replay(self, breaks_zero_padding=False):
+        self.log.append(("replay", self.key))
+
+    def release(self):
+        self.log.append(("release", self.key))
+
+
+class _Pool:
+    def reserved_bytes(self):
+        return 0
+
+    def allocating(self):
+        return contextlib.nullcontext()
+
+    def release(self):
+        pass
+
+
+def _runner(host, log, config=None):
+    config = config or BcgConfig(enable=True, sizes=SIZES)
+    runner = PrefillGraphRunner(plugin_manager(host), config, chunk_size=max(config.sizes), device="cpu")
+
+    def prepare():  # the setup's plans and pool, without static buffers or a stream off CUDA
+        runner.graph_attention = runner._plan_attention()
+        runner.graph_variants = runner._plan_variants()
+        runner._pool = _Pool()
+
+    def capture_bucket(bucket, stream, *, warm=True, variant=None):
+        log.append(("capture", bucket, variant, warm))
+        return _Graph(log, (bucket, variant))
+
+    runner._prepare_capture, runner._capture_bucket = prepare, capture_bucket
+    return runner
+
+
+def _replayable(runner):
+    """The replay's landing and padded-row flags, which need the static buffers, stood in for."""
+    runner._land = lambda batch, bucket: None
+    runner._padded = types.SimpleNamespace(start=lambda bucket: bucket)
+    runner._output = torch.zeros(64, 2)
+    return runner
+
+
+def test_each_variant_is_captured_after_its_bucket_and_warmed_up_the_first_time():
+    log = []
+    runner = _runner(_Host(variants={16: ["fresh"], 32: ["fresh"]}), log,
+                     BcgConfig(enable=True, sizes=SIZES, warmup="first_bucket"))
+    runner.capture(progress=False)
+    assert [entry[1:] for entry in log] == [
+        (64, None, True),
+        (32, None, False), (32, "fresh", True),  # the first capture of a variant runs its kernels eagerly first
+        (16, None, False), (16, "fresh", False),
+    ]
+    assert runner.graph_variants == {16: ("fresh",), 32: ("fresh",)}
+    assert runner.stats.buckets_captured == 3 and runner.stats.variant_graphs == 2
+
+
+def test_the_variant_named_at_replay_is_the_graph_that_runs():
+    log = []
+    runner = _replayable(_runner(_Host(variants={16: ["fresh"]}), log))
+    runner.capture(progress=False)
+    log.clear()
+    runner.replay(16, HostBatch(num_tokens=9, inputs={}), "fresh")
+    runner.replay(16, HostBatch(num_tokens=9, inputs={}))
+    assert log == [("replay", (16, "fresh")), ("replay", (16, None))]
+    assert runner.stats.replays_by_variant == {"fresh": 1} and runner.stats.replays_by_bucket[16] == 2
+    with pytest.raises(BcgStateError, match="bucket 32 has no graph variant 'fresh'"):
+        runner.replay(32, HostBatch(num_tokens=20, inputs={}), "fresh")
+
+
+def test_close_releases_the_variants_with_their_buckets():
+    log = []
+    runner = _runner(_Host(variants={16: ["fresh", "other"]}), log)
+    runner.capture(progress=False)
+    log.clear()
+    runner.close()
+    assert sorted(str(key) for what, key in log if what == "release") == sorted(
+        str(key) for key in [(64, None), (32, None), (16, None), (16, "fresh"), (16, "other")])
+    assert runner.graph_variants == {} and not runner.captured
+
+
+def test_without_variants_every_bucket_is_captured_once():
+    log = []
+    runner = _runner(_Host(variants=None), log)
+    runner.capture(progress=False)
+    assert [entry[2] for entry in log] == [None, None, None] and runner.stats.variant_graphs == 0
+
+
+@pytest.mark.parametrize("host, message", [
+    (_Host(variants={64: ["fresh"]}), "bucket 64, whose attention is not inside the graph"),
+    (_Host(variants={16: ["fresh", "fresh"]}), "distinct, non-empty names"),
+    (_Host(variants={16: [""]}), "distinct, non-empty names"),
+    (_Host(variants=[16]), "a dict of bucket to names"),
+    (_NoVariantArg(variants={16: ["fresh"]}), "takes no variant argument"),
+])
+def test_variants_the_core_cannot_capture_are_refused_with_what_is_wrong(host, message):
+    runner = _runner(host, [])
+    runner.graph_attention = runner._plan_attention()
+    with pytest.raises(BcgStateError, match=message):
+        runner._plan_variants()
+
+
+def test_the_memory_estimate_samples_buckets_with_variants_apart_from_those_without():
+    runner = _runner(_Host(inside=(16, 32, 64), variants={16: ["fresh"], 32: ["fresh"]}),
+                     [], BcgConfig(enable=True, sizes=(16, 32, 64, 128)))
+    runner.graph_attention = runner._plan_attention()
+    runner.graph_variants = runner._plan_variants()
+    # 128 breaks, 64 has attention inside and no variant, 32 and 16 have one each
+    assert runner._estimate_sample() == {128: 1, 64: 1, 32: 2}
+
+
+def test_the_summary_names_the_buckets_each_variant_covers():
+    summary = attention_summary([16, 32, 64], frozenset({16, 32}), {16: ("fresh",), 32: ("fresh",)})
+    assert summary == ("attention inside the graph: 16..32 (2 buckets); eager break: 64 (1 bucket); "
+                       "also as 'fresh': 16..32 (2 buckets)")
+    assert attention_summary([16, 32], frozenset({16})) == \
+        "attention inside the graph: 16 (1 bucket); eager break: 32 (1 bucket)"
