@@ -328,7 +328,8 @@ class PrefillGraphRunner:
     def _plan_variants(self) -> dict[int, tuple[str, ...]]:
         """The further graphs each graph-attention bucket is captured as: the host's answer
         (:meth:`~bcg_plugin.hookspecs.BcgHostSpec.bcg_graph_variants`), checked."""
-        if not self.graph_attention or not self._hook.bcg_graph_variants.get_hookimpls():
+        if (not self.config.graph_variants or not self.graph_attention
+                or not self._hook.bcg_graph_variants.get_hookimpls()):
             return {}
         chosen = self._hook.bcg_graph_variants(buckets=sorted(self.graph_attention))
         if not chosen:

@@ -124,11 +124,16 @@ def test_close_releases_the_variants_with_their_buckets():
     assert runner.graph_variants == {} and not runner.captured
 
 
-def test_without_variants_every_bucket_is_captured_once():
+@pytest.mark.parametrize("variants, config", [
+    (None, BcgConfig(enable=True, sizes=SIZES)),
+    ({16: ["fresh"]}, BcgConfig(enable=True, sizes=SIZES, graph_variants=False)),  # the host names one, the user declines
+])
+def test_without_variants_every_bucket_is_captured_once(variants, config):
     log = []
-    runner = _runner(_Host(variants=None), log)
+    runner = _runner(_Host(variants=variants), log, config)
     runner.capture(progress=False)
     assert [entry[2] for entry in log] == [None, None, None] and runner.stats.variant_graphs == 0
+    assert runner.graph_variants == {}
 
 
 @pytest.mark.parametrize("host, message", [
