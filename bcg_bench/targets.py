@@ -116,8 +116,10 @@ def _vllm_targets(mode: str) -> list[Target]:
 
 
 # The SGLang adapter's configurations: ``bcg`` (the default, attention ``auto``: inside the graph in
-# small buckets where the backend allows it) and ``bcg_graph`` (inside the graph in every bucket).
-SGLANG_CONFIGURATIONS = {"bcg": "attention auto, the default", "bcg_graph": "BCG_ATTENTION=graph"}
+# small buckets where the backend allows it), ``bcg_graph`` (inside the graph in every bucket) and
+# ``bcg_variants`` (the default with the graph buckets' variants).
+SGLANG_CONFIGURATIONS = {"bcg": "attention auto, the default", "bcg_graph": "BCG_ATTENTION=graph",
+                         "bcg_variants": "BCG_GRAPH_VARIANTS=1"}
 
 
 def _sglang_targets(mode: str) -> list[Target]:

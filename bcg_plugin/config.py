@@ -61,11 +61,12 @@ class BcgConfig:
             where an eager call sized for the live batch beats the grid captured for the bucket's
             worst case; SGLang: inside the graph in buckets up to 512 tokens, larger ones break). The
             choice per bucket is logged with the capture summary and shown by ``bcg doctor``.
-        graph_variants: also capture the buckets whose attention is inside the graph as the host's
-            variants of them, each serving the steps its attention kernel suits (SGLang with
-            flashinfer 0.7.2 or later: ``fresh``, the ragged prefill without split KV, for steps
-            whose requests have no cached prefix), at one more capture per such bucket; off, each
-            bucket is one graph. The capture summary names the buckets each variant covers.
+        graph_variants: experimental, off by default: its engine suite and bench have not run on a
+            GPU yet (docs/validation.md). Also capture the buckets whose attention is inside the
+            graph as the host's variants of them, each serving the steps its attention kernel suits
+            (SGLang with flashinfer 0.7.2 or later: ``fresh``, the ragged prefill without split KV,
+            for steps whose requests have no cached prefix), at one more capture per such bucket;
+            off, each bucket is one graph. The capture summary names the buckets each variant covers.
     """
 
     enable: bool = False
@@ -76,7 +77,7 @@ class BcgConfig:
     warmup: str = "every_bucket"
     torch_compile: bool = False
     attention: str = "auto"
-    graph_variants: bool = True
+    graph_variants: bool = False
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None, *, source: str = "bcg config") -> BcgConfig:

@@ -3,11 +3,12 @@
 # these run by hand; GIT_COMMIT names the commit where the tree has no git). Each suite's output goes to LOGDIR/<suite>.log, headed by what ran where.
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
 #   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer,
-#           sglang-flashinfer-auto, sglang-flashinfer-break, metrics
+#           sglang-flashinfer-auto, sglang-flashinfer-variants, sglang-flashinfer-break, metrics
 # (sglang runs SGLang's triton backend, where attention breaks; sglang-flashinfer its flashinfer
 # backend with attention inside bcg's graphs, BCG_ATTENTION=graph, against SGLang's own full prefill
 # graphs; sglang-flashinfer-auto the same backend with the default BCG_ATTENTION=auto, inside the
-# small buckets and breaking above, against full graphs of those buckets; sglang-flashinfer-break
+# small buckets and breaking above, against full graphs of those buckets; sglang-flashinfer-variants
+# the same with the graph buckets' variants captured too, BCG_GRAPH_VARIANTS=1; sglang-flashinfer-break
 # the same backend with attention breaking, BCG_ATTENTION=break)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,9 +27,10 @@ for suite in "$@"; do
         sglang)          args=(tests/gpu/test_sglang_gpu.py -m gpu) ;;
         sglang-flashinfer) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=graph) ;;
         sglang-flashinfer-auto) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=auto) ;;
+        sglang-flashinfer-variants) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=auto BCG_GRAPH_VARIANTS=1) ;;
         sglang-flashinfer-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=break) ;;
         metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;
-        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, sglang-flashinfer-auto, sglang-flashinfer-break, metrics)" >&2; exit 2 ;;
+        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, sglang-flashinfer-auto, sglang-flashinfer-variants, sglang-flashinfer-break, metrics)" >&2; exit 2 ;;
     esac
     log="$logdir/$suite.log"
     {

@@ -215,12 +215,12 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
 
 
-def _capture_result(runner: str, buckets: int | None, graph_attention=()):
-    """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats and the buckets
-    keeping attention inside the graph) or SGLang's own."""
+def _capture_result(runner: str, buckets: int | None, graph_attention=(), variants=None):
+    """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats, the buckets
+    keeping attention inside the graph and their variants) or SGLang's own."""
     stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
                                   buckets_captured=buckets)
-    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention), graph_variants={})
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention), graph_variants=variants or {})
     attrs = {} if buckets is None else {"core": core, "host": types.SimpleNamespace(stored_in_graph=set())}
     return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
 
@@ -236,6 +236,8 @@ def _capture_result(runner: str, buckets: int | None, graph_attention=()):
     ("bcg_break", [("BcgPrefillRunner", 56, [16, 32])], "some buckets kept attention inside the graph"),
     ("bcg_graph", [("BcgPrefillRunner", 56, [16, 32])], None),
     ("bcg_graph", [("BcgPrefillRunner", 56)], "every bucket kept attention an eager break"),
+    ("bcg_variants", [("BcgPrefillRunner", 56, [16, 32], {16: ("fresh",), 32: ("fresh",)})], None),
+    ("bcg_variants", [("BcgPrefillRunner", 56, [16, 32])], "no bucket was captured as a variant"),
 ])
 def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sglang(monkeypatch, tmp_path, mode,
                                                                                      captured, problem):
@@ -252,10 +254,11 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
         def shutdown(self):
             shut.append(True)
 
-    attention = []
+    attention, variants = [], []
 
     def start_engine(record, **kwargs):
         attention.append(os.environ.get("BCG_ATTENTION"))  # what the schedulers would inherit
+        variants.append(os.environ.get("BCG_GRAPH_VARIANTS"))
         monkeypatch.setenv(sglang_timers.RECORD_ENV, str(record))  # as in each scheduler
         for runner, *figures in captured:
             sglang_timers.after_capture_prefill_graph(_capture_result(runner, *figures))
@@ -264,13 +267,15 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
     monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("BCG_ATTENTION", "break")  # restored after the test; a bcg mode sets its own
+    monkeypatch.setenv("BCG_GRAPH_VARIANTS", "1")
     if problem is None:
         assert sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)["mode"] == mode
     else:
         with pytest.raises(SystemExit, match=f"bench {mode}: on rank 0 .*{problem}|bench {mode}: {problem}"):
             sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
     assert shut == [True]  # the engine ends either way
-    assert attention == [{"bcg": "auto", "bcg_graph": "graph"}.get(mode, "break")]
+    assert attention == [{"bcg": "auto", "bcg_graph": "graph", "bcg_variants": "auto"}.get(mode, "break")]
+    assert variants == [{"bcg_variants": "1", "native": "1"}.get(mode, "0")]
     assert not list(tmp_path.glob("bcg-sglang-bench-*"))  # nor does the schedulers' record folder outlive it
 
 

@@ -62,7 +62,7 @@ class _Pool:
 
 
 def _runner(host, log, config=None):
-    config = config or BcgConfig(enable=True, sizes=SIZES)
+    config = config or BcgConfig(enable=True, sizes=SIZES, graph_variants=True)
     runner = PrefillGraphRunner(plugin_manager(host), config, chunk_size=max(config.sizes), device="cpu")
 
     def prepare():  # the setup's plans and pool, without static buffers or a stream off CUDA
@@ -89,7 +89,7 @@ def _replayable(runner):
 def test_each_variant_is_captured_after_its_bucket_and_warmed_up_the_first_time():
     log = []
     runner = _runner(_Host(variants={16: ["fresh"], 32: ["fresh"]}), log,
-                     BcgConfig(enable=True, sizes=SIZES, warmup="first_bucket"))
+                     BcgConfig(enable=True, sizes=SIZES, warmup="first_bucket", graph_variants=True))
     runner.capture(progress=False)
     assert [entry[1:] for entry in log] == [
         (64, None, True),
@@ -125,8 +125,8 @@ def test_close_releases_the_variants_with_their_buckets():
 
 
 @pytest.mark.parametrize("variants, config", [
-    (None, BcgConfig(enable=True, sizes=SIZES)),
-    ({16: ["fresh"]}, BcgConfig(enable=True, sizes=SIZES, graph_variants=False)),  # the host names one, the user declines
+    (None, BcgConfig(enable=True, sizes=SIZES, graph_variants=True)),
+    ({16: ["fresh"]}, BcgConfig(enable=True, sizes=SIZES)),  # the host names one; off by default
 ])
 def test_without_variants_every_bucket_is_captured_once(variants, config):
     log = []
@@ -152,7 +152,7 @@ def test_variants_the_core_cannot_capture_are_refused_with_what_is_wrong(host, m
 
 def test_the_memory_estimate_samples_buckets_with_variants_apart_from_those_without():
     runner = _runner(_Host(inside=(16, 32, 64), variants={16: ["fresh"], 32: ["fresh"]}),
-                     [], BcgConfig(enable=True, sizes=(16, 32, 64, 128)))
+                     [], BcgConfig(enable=True, sizes=(16, 32, 64, 128), graph_variants=True))
     runner.graph_attention = runner._plan_attention()
     runner.graph_variants = runner._plan_variants()
     # 128 breaks, 64 has attention inside and no variant, 32 and 16 have one each

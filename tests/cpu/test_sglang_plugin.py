@@ -812,6 +812,21 @@ def test_moe_check_tolerates_a_few_perturbed_positions_and_still_sees_a_stale_re
     assert gpu_test.TOL < 0.6
 
 
+def test_with_graph_variants_each_position_is_held_to_the_nearer_of_two_references(gpu_test_module):
+    """A fresh step's positions match eager's ragged prefill, a prefix step's full's paged one: each
+    position passes against either; a stale replay, far from both, still fails."""
+    gpu_test = gpu_test_module("test_sglang_gpu")
+
+    full = [-10.0 - 0.01 * i for i in range(20)]
+    eager = [x + 0.5 for x in full]  # the two host modes apart by more than the tolerance
+    bcg = eager[:10] + full[10:]  # a fresh first chunk, then a chunk on its cached prefix
+    stale = [x + 2.0 for x in full]
+    assert gpu_test.request_error(_meta(bcg), _meta(full), 1.0, 1.0) == pytest.approx(0.5)  # full alone: fails
+    assert gpu_test.request_error(_meta(bcg), _meta(full), 1.0, 1.0, also=_meta(eager)) == pytest.approx(0.0)
+    assert gpu_test.request_error(_meta(stale), _meta(full), 1.0, 1.0, also=_meta(eager)) == pytest.approx(1.5)
+    assert gpu_test.TOL < 0.5
+
+
 @pytest.mark.parametrize("max_bs, pool_rows, context_len, top", [
     (8192, 2, 2048, 4096),  # --max-running-requests 2 --context-length 2048, SGLang's 8192 chunk on an H200
     (8192, 1, 4096, 4096),

@@ -33,7 +33,10 @@ store slots are read inside the graph. With flashinfer and ``auto`` (``sglang-fl
 it stays inside the buckets up to the adapter's limit, the controls' buckets among them, and
 breaks above; full's graphs then reach that limit only. Under ``auto`` two more engines (eager and
 bcg with ``REROUTE_SLOTS`` request slots) take one wave of more prompts than slots at once: the step
-must replay in the next larger bucket, which breaks, and match eager. With flashinfer and ``BCG_ATTENTION=break``
+must replay in the next larger bucket, which breaks, and match eager. ``BCG_GRAPH_VARIANTS=1``
+(``sglang-flashinfer-variants``) captures the graph buckets' ``fresh`` variant too (flashinfer 0.7.2
+on): steps without a cached prefix replay in it, the others in the bucket's own graph, and the check
+covers both. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
 in the segment before it. On a backend whose break stores the KV cache (fa3) the stale-store
 control has nothing to make stale and is skipped.
@@ -106,6 +109,7 @@ TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget betwe
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
 ATTENTION = os.environ.get("BCG_ATTENTION", "auto")
+VARIANTS = os.environ.get("BCG_GRAPH_VARIANTS", "0").lower() in ("1", "true", "yes", "on")
 
 
 def inside_tokens() -> int:
@@ -360,18 +364,26 @@ def error_quantile(model: str = MODEL) -> float:
     return MOE_QUANTILE if "num_experts" in MODELS[model] else 1.0
 
 
-def request_error(got: dict, ref: dict, spread: float, quantile: float | None = None) -> float:
-    """|logprob difference| / spread at the ``quantile`` (default ``error_quantile()``) of the positions."""
-    a, b = values(got), values(ref)
-    diffs = []
-    for key in ("input", "input_top1"):
-        assert len(a[key]) == len(b[key]), f"{key}: {len(a[key])} vs {len(b[key])} positions"
-        diffs += [abs(x - y) for x, y in zip(a[key], b[key])]
-    agree = 0  # output positions compare like for like only while the greedy tokens agree
-    while agree < min(len(a["output_ids"]), len(b["output_ids"])) and a["output_ids"][agree] == b["output_ids"][agree]:
-        agree += 1
-    for key in ("output", "output_top1"):
-        diffs += [abs(x - y) for x, y in zip(a[key][: agree + 1], b[key][: agree + 1])]
+def request_error(got: dict, ref: dict, spread: float, quantile: float | None = None,
+                  also: dict | None = None) -> float:
+    """|logprob difference| / spread at the ``quantile`` (default ``error_quantile()``) of the positions;
+    with ``also``, each position's difference from the nearer of ``ref`` and ``also``."""
+    a = values(got)
+    per_ref = []
+    for b in [values(r) for r in (ref, also) if r is not None]:
+        diffs = []
+        for key in ("input", "input_top1"):
+            assert len(a[key]) == len(b[key]), f"{key}: {len(a[key])} vs {len(b[key])} positions"
+            diffs += [abs(x - y) for x, y in zip(a[key], b[key])]
+        agree = 0  # output positions compare like for like only while the greedy tokens agree
+        while (agree < min(len(a["output_ids"]), len(b["output_ids"]))
+               and a["output_ids"][agree] == b["output_ids"][agree]):
+            agree += 1
+        for key in ("output", "output_top1"):
+            compared = [abs(x - y) for x, y in zip(a[key][: agree + 1], b[key][: agree + 1])]
+            diffs += compared + [math.inf] * (len(a[key]) - len(compared))  # beyond agreement: the other ref's
+        per_ref.append(diffs)
+    diffs = [d for d in map(min, zip(*per_ref)) if d != math.inf]
     if not diffs:
         return 0.0
     q = error_quantile() if quantile is None else quantile
@@ -388,9 +400,10 @@ def spread_of(runs: list[dict]) -> float:
     return spread
 
 
-def errors(got: list[dict], ref: list[dict], spread: float) -> list[float]:
-    assert len(got) == len(ref)
-    return [request_error(g, r, spread) for g, r in zip(got, ref)]
+def errors(got: list[dict], ref: list[dict], spread: float, also: list[dict] | None = None) -> list[float]:
+    assert len(got) == len(ref) and (also is None or len(also) == len(got))
+    return [request_error(g, r, spread, also=None if also is None else also[i])
+            for i, (g, r) in enumerate(zip(got, ref))]
 
 
 # -- tests -------------------------------------------------------------------------------------
@@ -402,6 +415,8 @@ def kept(name: str, run) -> dict:
     Eager engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on one
     backend share them; full's are named by the buckets they capture (``INSIDE_TOKENS``)."""
     graph = f"-{ATTENTION}" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
+    if graph and VARIANTS:
+        graph += "-variants"
     if name.startswith("full") and INSIDE_TOKENS < TOP_BUCKET:
         graph = f"-to{INSIDE_TOKENS}"
     chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + graph
@@ -488,15 +503,16 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
 
 
 def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(runs):
-    """flashinfer 0.7.2 on: every graph bucket is also captured as the ``fresh`` variant (ragged
-    prefill, no split KV), and the run served both it and the buckets' own graphs (steps on a cached
-    prefix), so the check below covers both."""
+    """``BCG_GRAPH_VARIANTS=1`` on flashinfer 0.7.2 on: every graph bucket is also captured as the
+    ``fresh`` variant (ragged prefill, no split KV), and the run served both it and the buckets' own
+    graphs (steps on a cached prefix), so the check below covers both. Otherwise no variant."""
     from bcg_plugin.adapters.sglang.graph_attention import FRESH, fresh_decline_reason
 
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
-    if not inside:
-        pytest.skip("no bucket keeps attention inside the graph in this run")
+    if not VARIANTS or not inside:
+        assert not capture["bcg_graph_variants"]
+        pytest.skip("graph variants are off, or no bucket keeps attention inside the graph in this run")
     # SGLang's eager ragged wrapper asks flashinfer for "auto" on Hopper: only the version decides
     why_not = fresh_decline_reason(types.SimpleNamespace(prefill_wrapper_ragged=types.SimpleNamespace(
         _requested_backend="auto")))
@@ -521,13 +537,19 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
 
 
 def compare(runs: dict, name: str, against: str = REFERENCE) -> list[float]:
-    """Every request's and probe's error of run ``name`` against run ``against``, printed."""
+    """Every request's and probe's error of run ``name`` against run ``against``, printed.
+
+    With graph variants against ``full`` (:data:`VARIANTS`), each position is held to the nearer of
+    full's and eager's logprob: a step without a cached prefix runs the ``fresh`` variant, eager's
+    ragged prefill, and the others full's paged one (``full`` against eager differs by up to about
+    TOL, so neither alone is the exact reference)."""
     spread, ref = runs["spread"], runs[against]
-    errs = errors(runs[name]["results"], ref["results"], spread)
-    probe_errs = errors(runs[name]["probes"], ref["probes"], spread)
-    worst_max = max(request_error(g, r, spread, quantile=1.0) for run in ("results", "probes")
-                    for g, r in zip(runs[name][run], ref[run]))
-    label = name if against == REFERENCE else f"{name} against {against}"
+    also = runs["eager"] if VARIANTS and against == REFERENCE != "eager" else None
+    errs = errors(runs[name]["results"], ref["results"], spread, None if also is None else also["results"])
+    probe_errs = errors(runs[name]["probes"], ref["probes"], spread, None if also is None else also["probes"])
+    worst_max = max(request_error(g, r, spread, quantile=1.0, also=None if also is None else also[run][i])
+                    for run in ("results", "probes") for i, (g, r) in enumerate(zip(runs[name][run], ref[run])))
+    label = (name if against == REFERENCE else f"{name} against {against}") + (" (or eager)" if also else "")
     print(f"[bcg gpu] {label}: {len(errs)} requests + {len(probe_errs)} probes: worst {max(errs + probe_errs):.4f}, "
           f"median {statistics.median(errs):.4f}, beyond TOL {sum(e > TOL for e in errs + probe_errs)}; "
           f"worst single position {worst_max:.4f} (x spread)")
@@ -550,9 +572,10 @@ def test_reference_again_passes_the_same_check(runs):
 def stale_probe_errors(runs: dict, name: str) -> list[float]:
     """The probes' errors of the faulted run ``name`` against the reference; it must have replayed."""
     assert any(f["graph"] for f in runs[name]["forwards"]), f"the {name} engine never replayed"
-    pairs = [(g, r) for g, r, q in zip(runs[name]["probes"], runs[REFERENCE]["probes"], probe_requests())
-             if q.get("probe")]
-    errs = [request_error(g, r, runs["spread"]) for g, r in pairs]
+    pairs = [(i, (g, r)) for i, (g, r, q) in enumerate(zip(runs[name]["probes"], runs[REFERENCE]["probes"],
+                                                          probe_requests())) if q.get("probe")]
+    also = runs["eager"]["probes"] if VARIANTS and REFERENCE != "eager" else None  # as compare() holds bcg
+    errs = [request_error(g, r, runs["spread"], also=None if also is None else also[i]) for i, (g, r) in pairs]
     print(f"[bcg gpu] {name} probe errors (x spread): {[round(e, 3) for e in errs]}")
     return errs
 
