@@ -137,7 +137,8 @@ class BcgHostSpec:
         bucket keeps attention inside the graph (:meth:`bcg_graph_attention`), so the batch's
         attention metadata must live in the buffers every replay of the bucket lands its own in.
         ``variant``: ``None`` for the bucket's graph, else the name of the variant being captured
-        (:meth:`bcg_graph_variants`); a host that names variants takes this argument.
+        (:meth:`bcg_graph_variants`); a host that names variants takes this argument, without a
+        default (pluggy passes an implementation no argument that has one).
         """
 
     @hookspec(firstresult=True)

@@ -352,7 +352,8 @@ class PrefillGraphRunner:
                  if "variant" not in impl.argnames]
         if variants and blind:
             raise BcgStateError(f"bcg_graph_variants named variants, but bcg_dummy_batch of {', '.join(blind)} "
-                                "takes no variant argument, so it cannot build their capture batch")
+                                "takes no variant argument (pluggy passes none that has a default), so it cannot "
+                                "build their capture batch")
         return variants
 
     def _fallback_stream(self) -> torch.cuda.Stream:

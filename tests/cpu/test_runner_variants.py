@@ -39,6 +39,12 @@ class _NoVariantArg(_Host):
         return HostBatch(num_tokens=num_tokens, inputs={})
 
 
+class _DefaultedVariantArg(_Host):
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens, graph_attention, variant=None):  # pluggy would never pass it
+        return HostBatch(num_tokens=num_tokens, inputs={})
+
+
 class _Graph:
     def __init__(self, log, key):
         self.log, self.key = log, key
@@ -142,6 +148,7 @@ def test_without_variants_every_bucket_is_captured_once(variants, config):
     (_Host(variants={16: [""]}), "distinct, non-empty names"),
     (_Host(variants=[16]), "a dict of bucket to names"),
     (_NoVariantArg(variants={16: ["fresh"]}), "takes no variant argument"),
+    (_DefaultedVariantArg(variants={16: ["fresh"]}), "takes no variant argument"),
 ])
 def test_variants_the_core_cannot_capture_are_refused_with_what_is_wrong(host, message):
     runner = _runner(host, [])

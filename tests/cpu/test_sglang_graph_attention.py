@@ -226,13 +226,13 @@ def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
     host.stored_in_graph = set()
     host.graph = ga.GraphAttention(runner, None, 8192, host.device)
     assert host.bcg_graph_attention([256], "graph") == [256]
-    fb = host.bcg_dummy_batch(256, graph_attention=True).payload.forward_batch
+    fb = host.bcg_dummy_batch(256, graph_attention=True, variant=None).payload.forward_batch
     assert fb.batch_size == 6 and fb.seq_lens.tolist() == [100, 100, 56, 0, 0, 0]
     assert fb.extend_start_loc.tolist() == [0, 100, 200, 256, 256, 256]
     assert fb.seq_lens_cpu.tolist() == [100, 100, 56, 0, 0, 0] and fb.extend_seq_lens_cpu == [100, 100, 56, 0, 0, 0]
     assert fb.positions.shape == (256,) and fb.positions[200:].tolist() == list(range(56))
     assert captured == [True]
-    fb = host.bcg_dummy_batch(256, graph_attention=False).payload.forward_batch
+    fb = host.bcg_dummy_batch(256, graph_attention=False, variant=None).payload.forward_batch
     assert fb.batch_size == 3 and captured == [True, "eager"]
 
 
@@ -263,31 +263,38 @@ def fresh_runner(monkeypatch, version="0.7.2", ragged_backend="auto", max_req=4)
     return runner
 
 
-@pytest.mark.parametrize("version, ragged_backend, why", [
-    ("0.6.14", "auto", "flashinfer 0.6.14 (its graph plans without split KV need 0.7.2"),
-    ("0.7.2", "cutlass", "runs 'cutlass', whose plan cannot be redone under a graph"),
-    ("0.7.2", "auto", None),
-    ("0.8.0", "fa2", None),
+@pytest.mark.parametrize("version, ragged_backend, backend_attrs, why", [
+    ("0.6.14", "auto", {}, "flashinfer 0.6.14 (its graph plans without split KV need 0.7.2"),
+    ("0.7.2", "cutlass", {}, "runs 'cutlass', whose plan cannot be redone under a graph"),
+    ("0.7.2", "auto", {"is_multimodal": True}, "a multimodal model"),  # SGLang plans its prefill paged
+    ("0.7.2", "auto", {"use_paged": True}, "SGLANG_FLASHINFER_USE_PAGED"),
+    ("0.7.2", "auto", {}, None),
+    ("0.8.0", "fa2", {}, None),
 ])
 def test_the_fresh_variant_needs_flashinfer_072_and_a_ragged_kernel_whose_plan_can_be_redone(
-        monkeypatch, version, ragged_backend, why):
+        monkeypatch, caplog, version, ragged_backend, backend_attrs, why):
     runner = fresh_runner(monkeypatch, version, ragged_backend)
+    for name, value in backend_attrs.items():
+        setattr(runner.attn_backend, name, value)
     reason = ga.fresh_decline_reason(runner.attn_backend)
     assert reason == why if why is None else why in reason
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     graph.choose([16, 64, 1024], "auto")
-    assert graph.variants([16, 64]) == (None if why else {16: [ga.FRESH], 64: [ga.FRESH]})
+    assert graph.ragged is None  # nothing made unless the config asks for variants
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert graph.variants([16, 64]) == (None if why else {16: [ga.FRESH], 64: [ga.FRESH]})
+    assert (graph.ragged is None) == bool(why) and (why is None or why in caplog.text)
 
 
 def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(monkeypatch):
     runner = fresh_runner(monkeypatch)
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     graph.choose([16, 64], "graph")
-    assert graph.variant_for(batch([9, 7], [0, 0])) == ga.FRESH
-    assert graph.variant_for(batch([9, 7], [0, 3])) is None  # a cached prefix: the paged plan with split KV
-    assert graph.variant_for(batch([9, 8], [0, 7])) is None  # a mixed step's decode has one too
-    graph.ragged = None  # a backend without the variant
-    assert graph.variant_for(batch([9, 7], [0, 0])) is None
+    captured = tuple(graph.variants([16, 64])[16])
+    assert graph.variant_for(batch([9, 7], [0, 0]), captured) == ga.FRESH
+    assert graph.variant_for(batch([9, 7], [0, 3]), captured) is None  # a cached prefix: the paged plan, split KV
+    assert graph.variant_for(batch([9, 8], [0, 7]), captured) is None  # a mixed step's decode has one too
+    assert graph.variant_for(batch([9, 7], [0, 0]), ()) is None  # a bucket captured without the variant
 
 
 def test_a_fresh_replay_plans_the_ragged_prefill_of_its_new_tokens_without_split_kv(monkeypatch):
@@ -296,6 +303,7 @@ def test_a_fresh_replay_plans_the_ragged_prefill_of_its_new_tokens_without_split
     runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: paged.append(fb)
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     graph.choose([16, 64], "graph")
+    graph.variants([16, 64])
     graph.plan_replay(batch([9, 7, 5], [0, 0, 0]), ga.FRESH)
     graph.plan_replay(batch([12], [0]), ga.FRESH)
     first, second = graph.ragged.plans
@@ -316,6 +324,7 @@ def test_a_fresh_capture_plans_the_ragged_wrapper_and_runs_its_body_on_it(monkey
     eager = backend.prefill_wrapper_ragged
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     graph.choose([16], "graph")
+    graph.variants([16])
     graph.plan_capture(batch([16, 0, 0, 0], [0, 0, 0, 0]), ga.FRESH)
     assert graph.ragged.plans[0][0] == [0, 16, 16, 16, 16]
     meta = backend.forward_metadata
@@ -344,9 +353,13 @@ def test_the_capture_batch_of_a_variant_says_which_variant_it_was_planned_for(mo
     host.graph = ga.GraphAttention(runner, None, 8192, host.device)
     assert host.bcg_graph_attention([16, 64], "graph") == [16, 64]
     assert host.bcg_graph_variants([16, 64]) == {16: [ga.FRESH], 64: [ga.FRESH]}
-    assert host.bcg_dummy_batch(64, graph_attention=True, variant=ga.FRESH).payload.graph_variant == ga.FRESH
+    # through pluggy, as the core asks: an implementation gets only the arguments it takes without a default
+    from bcg_plugin import plugin_manager
+
+    hook = plugin_manager(host).hook
+    assert hook.bcg_dummy_batch(num_tokens=64, graph_attention=True, variant=ga.FRESH).payload.graph_variant == ga.FRESH
     assert host.graph.ragged.plans[-1][0] == [0, 64, 64, 64, 64]
-    assert host.bcg_dummy_batch(64, graph_attention=True, variant=None).payload.graph_variant is None
+    assert hook.bcg_dummy_batch(num_tokens=64, graph_attention=True, variant=None).payload.graph_variant is None
 
 
 # -- what bcg doctor says --------------------------------------------------------------------
@@ -354,6 +367,8 @@ def test_the_capture_batch_of_a_variant_says_which_variant_it_was_planned_for(mo
 
 def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
+    assert "'fresh' variant" not in attention_scope(BcgConfig())
+    assert "'fresh' variant" in attention_scope(BcgConfig(graph_variants=True))
     assert attention_scope(BcgConfig(attention="auto")).startswith("inside the graph in buckets up to 512 tokens")
     assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")
 

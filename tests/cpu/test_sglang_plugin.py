@@ -426,7 +426,7 @@ def test_bcg_runner_casts_its_own_dp_vote():
 
 def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_variant():
     r = graph_attention_runner({16}, slots=2)
-    r.host.graph.ragged = object()  # the fresh variant was captured
+    r.core.graph_variants = {16: ("fresh",)}  # the fresh variant was captured
     r.host.forward_pass = lambda fb, kwargs: None
     planned, replayed = [], []
     r._plan_attention = lambda fb, bucket, variant=None: planned.append((bucket, variant))
@@ -438,6 +438,12 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
         r.execute(fb)
     # no cached prefix: the fresh variant; a prefix: the bucket's own graph; a breaking bucket: no variant
     assert planned == replayed == [(16, "fresh"), (16, None), (32, None)]
+    r.core.graph_variants = {}  # graph_variants off: every step replays the bucket's own graph
+    fb = fake_batch(12, requests=2)
+    fb.positions = fb.out_cache_loc = None
+    assert r.can_run_graph(fb)
+    r.execute(fb)
+    assert replayed[-1] == (16, None)
 
 
 def test_execute_refuses_a_batch_it_did_not_plan():

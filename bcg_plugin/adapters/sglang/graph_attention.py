@@ -15,11 +15,11 @@ eager runs a ragged one over the new tokens), so its outputs are held to full's,
 ``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
 inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS`.
 
-Every graph bucket is also captured as the variant :data:`FRESH`, for steps whose requests have no
-cached prefix: there attention runs flashinfer's ragged prefill over the step's own keys and
-values, as SGLang's eager forward runs it, from a graph wrapper planned without split KV. The
-paged plan keeps split KV on (it is what lets a short step on a long prefix spread over the GPU),
-and in the graph it runs its merge even when nothing was split.
+With ``graph_variants`` (off by default) every graph bucket is also captured as the variant
+:data:`FRESH`, for steps whose requests have no cached prefix: there attention runs flashinfer's
+ragged prefill over the step's own keys and values, as SGLang's eager forward runs it, from a graph
+wrapper planned without split KV. The paged plan keeps split KV on (it is what lets a short step on
+a long prefix spread over the GPU), and in the graph it runs its merge even when nothing was split.
 """
 
 from __future__ import annotations
@@ -98,7 +98,12 @@ def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
 
 
 def fresh_decline_reason(backend: Any) -> str | None:
-    """Why graph buckets get no :data:`FRESH` variant on this backend, or ``None`` where they do."""
+    """Why graph buckets get no :data:`FRESH` variant on this backend, or ``None`` where they do:
+    where SGLang's eager forward plans a step without a cached prefix paged, not ragged, so does bcg."""
+    if getattr(backend, "is_multimodal", False):
+        return "a multimodal model (SGLang's flashinfer backend plans its prefill paged)"
+    if getattr(backend, "use_paged", False):
+        return "SGLANG_FLASHINFER_USE_PAGED (SGLang plans every prefill paged)"
     try:
         version = Version(importlib.metadata.version("flashinfer-python"))
     except importlib.metadata.PackageNotFoundError:
@@ -227,23 +232,26 @@ class GraphAttention:
             self._made_wrappers = True
             self.slots = RequestSlots(r, self.device)
             self.buckets = chosen
-            fresh_reason = fresh_decline_reason(backend)
-            if fresh_reason is None:
-                self.ragged = self._ragged_wrapper(r)
-            else:
-                logger.info("bcg: graph buckets have no %r variant: %s", FRESH, fresh_reason)
         return list(self.buckets)
 
     def variants(self, buckets: list[int]) -> dict[int, list[str]] | None:
-        """The :data:`FRESH` variant for every graph bucket, where the backend allows it."""
-        if self.ragged is None:
+        """The :data:`FRESH` variant for every graph bucket, where the backend allows it. Asked only
+        where the config captures variants, so its wrapper is made here, once."""
+        if self.slots is None:
             return None
+        if self.ragged is None:
+            reason = fresh_decline_reason(self.model_runner.attn_backend)
+            if reason is not None:
+                logger.info("bcg: graph buckets have no %r variant: %s", FRESH, reason)
+                return None
+            self.ragged = self._ragged_wrapper(self.slots.r)
         return {bucket: [FRESH] for bucket in buckets if bucket in self.buckets}
 
-    def variant_for(self, fb: Any) -> str | None:
-        """The graph variant a step replays in: :data:`FRESH` where no request has a cached prefix
-        (a mixed step's decodes have one), else the bucket's own graph (``None``)."""
-        if self.ragged is None:
+    def variant_for(self, fb: Any, captured: tuple[str, ...]) -> str | None:
+        """The graph variant a step replays in, of those its bucket was ``captured`` as: :data:`FRESH`
+        where no request has a cached prefix (a mixed step's decodes have one), else the bucket's own
+        graph (``None``)."""
+        if FRESH not in captured:
             return None
         prefixes = fb.extend_prefix_lens_cpu
         return FRESH if prefixes is not None and not any(prefixes[: int(fb.batch_size)]) else None

@@ -75,7 +75,7 @@ class SglangHost:
         return self.graph.variants(buckets)
 
     @hookimpl
-    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool, variant: str | None = None) -> HostBatch:
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool, variant: str | None) -> HostBatch:
         """A plain extend of ``num_tokens`` new tokens, as few requests as the context allows; for a
         graph-attention bucket, followed by zero-length requests up to the request slots and planned
         into the wrappers every replay of the bucket (or of its ``variant``) refills

@@ -193,7 +193,7 @@ class BcgPrefillRunner:
         if planned is None or planned[0] is not forward_batch:
             raise RuntimeError("bcg: execute() without a matching can_run_graph() for this batch")
         bucket = planned[1]
-        variant = self.host.graph.variant_for(forward_batch) if bucket in self.core.graph_attention else None
+        variant = self.host.graph.variant_for(forward_batch, self.core.graph_variants.get(bucket, ()))
         self._plan_attention(forward_batch, bucket, variant)
         slots = forward_batch.out_cache_loc
         if faults.active():
