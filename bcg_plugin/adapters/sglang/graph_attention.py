@@ -206,7 +206,7 @@ class GraphAttention:
         self.chunk = chunk
         self.buckets: list[int] = []
         self.slots: RequestSlots | None = None
-        self.ragged: Any = None  # the FRESH variant's graph wrapper, once graph buckets are chosen
+        self.ragged: Any = None  # the FRESH variant's graph wrapper, once the core asks for variants
         self._made_wrappers = False
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
