@@ -123,8 +123,9 @@ class BcgHostSpec:
         batch the host plans differently (:meth:`bcg_dummy_batch` with ``variant``), for example with
         another attention kernel that serves only some steps; the host picks it per step
         (:meth:`~bcg_plugin.PrefillGraphRunner.replay` with ``variant``) and lands that step's
-        metadata as that variant reads it. Asked once per capture, after :meth:`bcg_graph_attention`;
-        the answer must be the same on every rank.
+        metadata as that variant reads it. Asked once per capture, after :meth:`bcg_graph_attention`,
+        and only where the config's ``graph_variants`` is on (a host makes what its variants need
+        here, not before); the answer must be the same on every rank.
         """
 
     @hookspec(firstresult=True)
