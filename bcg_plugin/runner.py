@@ -317,13 +317,18 @@ class PrefillGraphRunner:
             raise BcgStateError(f"bcg_graph_attention returned {unknown}, which are not buckets of this runner")
         # A dummy-batch hook that cannot be asked for graph-resident metadata would build a break's
         # batch, and the inline attention would replay reading the capture's metadata forever.
-        blind = [impl.plugin_name for impl in self._hook.bcg_dummy_batch.get_hookimpls()
-                 if "graph_attention" not in impl.argnames]
+        blind = self._dummy_batch_without("graph_attention")
         if chosen and blind:
             raise BcgStateError(f"bcg_graph_attention chose {len(chosen)} buckets, but bcg_dummy_batch of "
                                 f"{', '.join(blind)} takes no graph_attention argument, so it cannot build their "
                                 "capture batch; take it, or return None from bcg_graph_attention")
         return chosen
+
+    def _dummy_batch_without(self, argument: str) -> list[str]:
+        """The adapters whose ``bcg_dummy_batch`` pluggy never passes ``argument``: they do not take it,
+        or give it a default."""
+        return [impl.plugin_name for impl in self._hook.bcg_dummy_batch.get_hookimpls()
+                if argument not in impl.argnames]
 
     def _plan_variants(self) -> dict[int, tuple[str, ...]]:
         """The further graphs each graph-attention bucket is captured as: the host's answer
@@ -348,8 +353,7 @@ class PrefillGraphRunner:
                                     "non-empty names were expected")
             if names:
                 variants[bucket] = names
-        blind = [impl.plugin_name for impl in self._hook.bcg_dummy_batch.get_hookimpls()
-                 if "variant" not in impl.argnames]
+        blind = self._dummy_batch_without("variant")
         if variants and blind:
             raise BcgStateError(f"bcg_graph_variants named variants, but bcg_dummy_batch of {', '.join(blind)} "
                                 "takes no variant argument (pluggy passes none that has a default), so it cannot "

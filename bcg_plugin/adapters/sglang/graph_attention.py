@@ -160,21 +160,24 @@ class RequestSlots:
     def extend_indptr(self, fb: Any) -> torch.Tensor:
         """The ``r + 1`` offsets of ``fb``'s new tokens per request, from the host's lengths (no
         device read), zero-length requests after its real ones: a ragged plan's ``qo_indptr``."""
-        bs = int(fb.batch_size)
-        if bs > self.r:
-            raise ValueError(f"{bs} requests do not fit {self.r} request slots")
+        bs = self._requests(fb)
         lens = torch.as_tensor(fb.extend_seq_lens_cpu[:bs], dtype=torch.int32)
         self.qo_indptr_cpu.zero_()
         torch.cumsum(lens, 0, out=self.qo_indptr_cpu[1:bs + 1])
         self.qo_indptr_cpu[bs + 1:] = self.qo_indptr_cpu[bs]
         return self.qo_indptr_cpu
 
-    def padded_view(self, fb: Any) -> Any:
-        """A shallow copy of ``fb`` whose request vectors are this object's, ``fb``'s landed in
-        front of zeros, and whose batch size is ``r``: what SGLang's full graphs plan from."""
+    def _requests(self, fb: Any) -> int:
+        """``fb``'s request count, refused where it exceeds the slots."""
         bs = int(fb.batch_size)
         if bs > self.r:
             raise ValueError(f"{bs} requests do not fit {self.r} request slots")
+        return bs
+
+    def padded_view(self, fb: Any) -> Any:
+        """A shallow copy of ``fb`` whose request vectors are this object's, ``fb``'s landed in
+        front of zeros, and whose batch size is ``r``: what SGLang's full graphs plan from."""
+        bs = self._requests(fb)
         for name, buf in self.buffers.items():
             buf[bs:].zero_()
             buf[:bs].copy_(getattr(fb, name)[:bs])

@@ -47,13 +47,15 @@ class SglangHost:
         """Ranks whose token counts the captured body gathers over, or ``None`` without DP attention."""
         return self._dp
 
-    def forward_pass(self, forward_batch: Any, forward_kwargs: dict | None = None) -> ForwardPass:
+    def forward_pass(self, forward_batch: Any, forward_kwargs: dict | None = None,
+                     graph_variant: str | None = None) -> ForwardPass:
         return ForwardPass(
             forward_batch=forward_batch,
             attn_backend=self.model_runner.attn_backend,
             attention_layers=self.model_runner.attention_layers,
             forward_kwargs=forward_kwargs or {},
             stored_in_graph=self.stored_in_graph,
+            graph_variant=graph_variant,
         )
 
     # -- bcg hooks -----------------------------------------------------------------------------
@@ -128,9 +130,7 @@ class SglangHost:
             else:
                 mr.attn_backend.init_forward_metadata(fb)
         inputs = {"input_ids": ids, "positions": positions, "out_cache_loc": out_cache_loc}
-        payload = self.forward_pass(fb)
-        payload.graph_variant = variant
-        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=payload)
+        return HostBatch(num_tokens=num_tokens, inputs=inputs, payload=self.forward_pass(fb, graph_variant=variant))
 
     @hookimpl
     def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: ForwardPass) -> torch.Tensor:
