@@ -64,6 +64,34 @@ def device_us(fn, iters: int = 50) -> float:
     return e0.elapsed_time(e1) * 1000 / iters
 
 
+def captured(run):
+    """``run`` once eagerly on a side stream (lazy inits stay out of the graph), then captured:
+    the graph and the output tensor its replays write."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    return g, out
+
+
+def replay_case(g, out, n, reference, eager_run) -> dict:
+    """One case on inputs and plans already landed: the graph's first ``n`` rows against
+    ``reference()`` (an eager plan and call), then the device µs of a replay and of ``eager_run``."""
+    g.replay()
+    torch.cuda.synchronize()
+    ref = reference()
+    diff = (out[:n].float() - ref.float()).abs().max().item()
+    for _ in range(5):
+        g.replay()
+    graph_us = device_us(g.replay)
+    eager_us = device_us(eager_run)
+    return dict(tokens=n, graph_us=round(graph_us, 2), eager_us=round(eager_us, 2), max_abs_diff=diff)
+
+
 def graph_wrapper(split_off, kv_cache):
     """A CUDA-graph wrapper planned for one 512-token request in ``R`` slots, and its captured run."""
     from flashinfer import BatchPrefillWithPagedKVCacheWrapper
@@ -77,14 +105,7 @@ def graph_wrapper(split_off, kv_cache):
     q = torch.randn(BUCKET, HQ, D, dtype=torch.bfloat16, device="cuda")
     out = torch.zeros(BUCKET, HQ, D, dtype=torch.bfloat16, device="cuda")
     plan(w, [BUCKET], [BUCKET], R, split_off)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        w.run(q, kv_cache, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        w.run(q, kv_cache, out=out)
+    g, _ = captured(lambda: w.run(q, kv_cache, out=out))
     return w, g, q, out
 
 
@@ -109,14 +130,7 @@ def ragged_cases() -> None:
     k = torch.randn(BUCKET, HK, D, dtype=torch.bfloat16, device="cuda")
     v = torch.randn(BUCKET, HK, D, dtype=torch.bfloat16, device="cuda")
     ragged_plan(w, [BUCKET], R, True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        w.run(q, k, v)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = w.run(q, k, v)
+    g, out = captured(lambda: w.run(q, k, v))
     log(event="captured", kernel="ragged", backend=w._backend, seconds=round(time.time() - t, 1))
     for name, (ql, kl) in CASES.items():
         if ql != kl:  # a cached prefix: the paged plan's case
@@ -125,17 +139,13 @@ def ragged_cases() -> None:
         ragged_plan(w, ql, R, True)
         for t_ in (q, k, v):
             t_.copy_(torch.randn_like(t_))
-        g.replay()
-        torch.cuda.synchronize()
-        ragged_plan(eager, ql, len(ql), False)
-        ref = eager.run(q[:n].contiguous(), k[:n].contiguous(), v[:n].contiguous())
-        diff = (out[:n].float() - ref.float()).abs().max().item()
-        for _ in range(5):
-            g.replay()
-        graph_us = device_us(g.replay)
-        eager_us = device_us(lambda: eager.run(q[:n], k[:n], v[:n]))
-        log(event="case", kernel="ragged", case=name, tokens=n, graph_us=round(graph_us, 2),
-            eager_us=round(eager_us, 2), max_abs_diff=diff)
+
+        def reference(ql=ql, n=n):
+            ragged_plan(eager, ql, len(ql), False)
+            return eager.run(q[:n].contiguous(), k[:n].contiguous(), v[:n].contiguous())
+
+        log(event="case", kernel="ragged", case=name,
+            **replay_case(g, out, n, reference, lambda: eager.run(q[:n], k[:n], v[:n])))
 
 
 def main() -> None:
@@ -156,17 +166,13 @@ def main() -> None:
             n = sum(ql)
             plan(w, ql, kl, R, split_off)
             q.copy_(torch.randn_like(q))
-            g.replay()
-            torch.cuda.synchronize()
-            plan(eager, ql, kl, len(ql), False)  # flashinfer's own eager plan: its defaults, split KV allowed
-            ref = eager.run(q[:n].contiguous(), kv_cache)
-            diff = (out[:n].float() - ref.float()).abs().max().item()
-            for _ in range(5):
-                g.replay()
-            graph_us = device_us(g.replay)
-            eager_us = device_us(lambda: eager.run(q[:n], kv_cache))
-            log(event="case", split_off=split_off, case=name, tokens=n, graph_us=round(graph_us, 2),
-                eager_us=round(eager_us, 2), max_abs_diff=diff)
+
+            def reference(ql=ql, kl=kl, n=n):
+                plan(eager, ql, kl, len(ql), False)  # flashinfer's own eager plan: its defaults, split KV allowed
+                return eager.run(q[:n].contiguous(), kv_cache)
+
+            log(event="case", split_off=split_off, case=name,
+                **replay_case(g, out, n, reference, lambda: eager.run(q[:n], kv_cache)))
     ragged_cases()
     log(event="done")
 

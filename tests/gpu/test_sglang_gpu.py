@@ -537,20 +537,29 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
     assert capture["bcg_store_in_graph_layers"] == (layers if SEGMENT_STORE else 0)
 
 
-def compare(runs: dict, name: str, against: str = REFERENCE) -> list[float]:
-    """Every request's and probe's error of run ``name`` against run ``against``, printed.
+def second_references(runs: dict, name: str, against: str = REFERENCE) -> dict[str, list]:
+    """Per list of outputs (``results``, ``probes``), what each of run ``name``'s may match instead of
+    ``against``'s: with graph variants against ``full`` (:data:`VARIANTS`), eager's, position by
+    position (a step without a cached prefix runs the ``fresh`` variant, eager's ragged prefill, and
+    the others full's paged one; ``full`` against eager differs by up to about TOL, so neither alone
+    is the exact reference); else nothing (``None`` each). The reference's own repeat is held to it alone."""
+    second = (runs["eager"] if VARIANTS and against == REFERENCE != "eager" and not name.endswith("_again")
+              else None)
+    return {run: second[run] if second is not None else [None] * len(runs[against][run])
+            for run in ("results", "probes")}
 
-    With graph variants against ``full`` (:data:`VARIANTS`), each position is held to the nearer of
-    full's and eager's logprob: a step without a cached prefix runs the ``fresh`` variant, eager's
-    ragged prefill, and the others full's paged one (``full`` against eager differs by up to about
-    TOL, so neither alone is the exact reference)."""
+
+def compare(runs: dict, name: str, against: str = REFERENCE) -> list[float]:
+    """Every request's and probe's error of run ``name`` against run ``against`` (or, position by
+    position, its :func:`second_references`), printed."""
     spread, ref = runs["spread"], runs[against]
-    also = runs["eager"] if VARIANTS and against == REFERENCE != "eager" and not name.endswith("_again") else None
-    errs = errors(runs[name]["results"], ref["results"], spread, None if also is None else also["results"])
-    probe_errs = errors(runs[name]["probes"], ref["probes"], spread, None if also is None else also["probes"])
-    worst_max = max(request_error(g, r, spread, quantile=1.0, also=None if also is None else also[run][i])
+    also = second_references(runs, name, against)
+    errs = errors(runs[name]["results"], ref["results"], spread, also["results"])
+    probe_errs = errors(runs[name]["probes"], ref["probes"], spread, also["probes"])
+    worst_max = max(request_error(g, r, spread, quantile=1.0, also=also[run][i])
                     for run in ("results", "probes") for i, (g, r) in enumerate(zip(runs[name][run], ref[run])))
-    label = (name if against == REFERENCE else f"{name} against {against}") + (" (or eager)" if also else "")
+    label = (name if against == REFERENCE else f"{name} against {against}") + (
+        " (or eager)" if any(also["results"]) else "")
     print(f"[bcg gpu] {label}: {len(errs)} requests + {len(probe_errs)} probes: worst {max(errs + probe_errs):.4f}, "
           f"median {statistics.median(errs):.4f}, beyond TOL {sum(e > TOL for e in errs + probe_errs)}; "
           f"worst single position {worst_max:.4f} (x spread)")
@@ -575,8 +584,8 @@ def stale_probe_errors(runs: dict, name: str) -> list[float]:
     assert any(f["graph"] for f in runs[name]["forwards"]), f"the {name} engine never replayed"
     pairs = [(i, (g, r)) for i, (g, r, q) in enumerate(zip(runs[name]["probes"], runs[REFERENCE]["probes"],
                                                           probe_requests())) if q.get("probe")]
-    also = runs["eager"]["probes"] if VARIANTS and REFERENCE != "eager" else None  # as compare() holds bcg
-    errs = [request_error(g, r, runs["spread"], also=None if also is None else also[i]) for i, (g, r) in pairs]
+    also = second_references(runs, name)["probes"]  # as compare() holds bcg
+    errs = [request_error(g, r, runs["spread"], also=also[i]) for i, (g, r) in pairs]
     print(f"[bcg gpu] {name} probe errors (x spread): {[round(e, 3) for e in errs]}")
     return errs
 
