@@ -36,6 +36,7 @@ from bcg_plugin.adapters.sglang import attention, version  # noqa: E402
 from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag  # noqa: E402
 from bcg_plugin.patches import PatchTargetError, descriptors  # noqa: E402
 from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable, radix_attention_eager  # noqa: E402
+import sglang_fa3  # noqa: E402
 
 # SGLang 0.5.23 replaced the module-level breakable attention ops with RadixAttention's eager method.
 EAGER_METHOD = not hasattr(radix_attention, "breakable_unified_attention_with_output")
@@ -198,6 +199,8 @@ class _ExtendAttention:
 
 
 def _backend_class(name):
+    if name == "fa3":
+        return sglang_fa3.backend_class()
     if name == "flashinfer":
         from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
         return FlashInferAttnBackend
@@ -206,7 +209,7 @@ def _backend_class(name):
 
 
 def _capture(backend_name="triton", *, bucket=16, real=5, **changes):
-    """A capture-time forward on one of SGLang's own extend backends (``"triton"`` or ``"flashinfer"``)
+    """A capture-time forward on one of SGLang's own extend backends (``"triton"``, ``"flashinfer"`` or ``"fa3"``)
     and its MHA pool (CPU buffers; the backend's kernels replaced by :class:`_ExtendAttention`): the
     bucket's static slots hold ``real`` request slots and SGLang's padding slot 0 after them.
     ``changes`` set attributes of ``backend``/``pool``/``layer``/``metadata`` (``"layer.k_scale": 1.0``)."""
@@ -258,9 +261,9 @@ def test_key_and_value_reach_the_break_contiguous_only_where_the_backend_would_c
     assert seen["rest"] == ((False, 3), {"key_value_num_tokens": None})
 
 
-@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("backend_name", ["triton", "flashinfer", "fa3"])
 def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only_attends(backend_name):
-    """On the triton and flashinfer backends and SGLang's plain MHA pool the store runs in the
+    """On the triton, flashinfer and fa3 backends and SGLang's plain MHA pool the store runs in the
     captured segment, through SGLang's own pool, on every row of the bucket: the request rows reach
     their slots, the padded rows only SGLang's padding slot. The break is then told not to store again."""
     batch, pool, q, k, v = _capture(backend_name)
@@ -274,7 +277,7 @@ def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only
     assert not cache[1:40].any() and not cache[45:].any()  # nothing else but the padding slot 0
 
 
-@pytest.mark.parametrize("backend_name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("backend_name", ["triton", "flashinfer", "fa3"])
 @pytest.mark.parametrize("change", [
     {"layer.k_scale": 1.0},  # scaled KV: the backend clones and scales before its store
     {"layer.is_cross_attention": True},  # stores at the encoder's slots
@@ -286,6 +289,10 @@ def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only
     # flashinfer's second wrapper (sliding window): before 0.5.23 its cache pass also covers the new tokens
     {"backend.dispatch_reason": "sliding_window"},
     {"layer.attn_type": radix_attention.AttentionType.ENCODER_ONLY},  # flashinfer's ragged prefill does not store them
+    {"backend.fa_impl_ver": 4},  # FlashAttention 4 under fa3's class
+    {"backend.fa_skip_kv_cache": True},  # fa3 without a KV cache: nothing to store
+    {"backend.attn_cp_size": 2},  # fa3 gathers each rank's keys before its store
+    {"backend._kv_shard_pool": object()},  # fa3 stores through a sharded pool's plan
 ], ids=lambda change: next(iter(change)))
 def test_a_store_that_reads_per_forward_state_stays_in_the_break(change, backend_name):
     batch, pool, q, k, v = _capture(backend_name, **change)

@@ -14,6 +14,7 @@ pytest.importorskip("sglang")
 
 pytestmark = pytest.mark.sglang
 
+import sglang_fa3  # noqa: E402
 import torch  # noqa: E402
 
 from bcg_plugin import BcgConfig  # noqa: E402
@@ -463,8 +464,8 @@ def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(
     ((), (), "in each layer's eager break"),
     (range(4), (), "in 4 of 28 layers, in the break in the others"),
     ((), (16, 32), "inside the graph with attention, in every bucket"),
-    ((), (16,), "in each layer's eager break, as SGLang stores it (captured in the segment only on the triton "
-                "and flashinfer backends with SGLang's plain MHA pool); inside the graph with attention in the 1 of 2 buckets"),
+    ((), (16,), "in each layer's eager break, as SGLang stores it (captured in the segment only on the triton, "
+                "flashinfer and fa3 backends with SGLang's plain MHA pool); inside the graph with attention in the 1 of 2 buckets"),
 ])
 def test_after_its_capture_the_runner_says_where_the_kv_cache_store_runs(monkeypatch, caplog, stored, graph, says):
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
@@ -479,3 +480,147 @@ def test_only_the_first_tp_rank_says_it_and_a_failed_capture_says_nothing(monkey
         _capture_runner(monkeypatch, first_rank=False, stored=range(28))
         _capture_runner(monkeypatch, first_rank=True, captured=False, stored=range(28))
     assert "KV-cache store" not in caplog.text
+
+
+# -- fa3: SGLang's full prefill metadata, planned on CPU by SGLang's own code ---------------------
+
+
+def fa3_backend(pool_rows=8, context_len=64, **attrs):
+    """SGLang's real ``FlashAttentionBackend`` class, its instance built without a GPU: what its full
+    prefill plan (``_init_full_cg_prefill_metadata``) reads, with a request pool whose row ``i``
+    holds cache slots ``1000 * i + position``."""
+    cls = sglang_fa3.backend_class()
+    backend = cls.__new__(cls)
+    state = dict(fa_impl_ver=3, use_mla=False, skip_prefill=False, use_sliding_window_kv_pool=False, has_swa=False,
+                 local_attn_builder=None, is_encoder_decoder=False, attn_cp_size=1, kv_cache_dtype_str="auto",
+                 full_cg_prefill_metadata=None, forward_metadata=None, page_size=1, max_context_len=context_len,
+                 max_num_pages=context_len, kv_index_translator=types.SimpleNamespace(is_translating=False),
+                 token_to_kv_pool=types.SimpleNamespace(),
+                 req_to_token=(1000 * torch.arange(pool_rows)[:, None] + torch.arange(context_len)).to(torch.int32))
+    state.update(attrs)
+    for name, value in state.items():
+        setattr(backend, name, value)
+    return backend
+
+
+def fa3_runner(**attrs):
+    backend = fa3_backend(**attrs)
+    runner = model_runner(backend, pool_rows=backend.req_to_token.shape[0], context_len=backend.max_context_len,
+                          max_req=4)
+    runner.attention_layers = []
+    return runner
+
+
+def extend(seq_lens, prefix_lens, rows):
+    """A live extend batch as SGLang's scheduler hands it to the runner, on CPU."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    fb = batch(seq_lens, prefix_lens)
+    fb.forward_mode = ForwardMode.EXTEND
+    fb.req_pool_indices = torch.tensor(rows)
+    return fb
+
+
+def test_fa3_keeps_attention_inside_where_its_own_full_graphs_do():
+    assert ga.decline_reason(fa3_runner(), dp_ranks=None) is None
+    assert ga.backend_kind(fa3_backend()) == ga.FA3 and ga.backend_kind(flashinfer_backend()) == ga.FLASHINFER
+
+
+@pytest.mark.parametrize(("attrs", "named"), [
+    ({"fa_impl_ver": 4}, "FlashAttention 4"),
+    ({"use_mla": True}, "MLA"),
+    ({"skip_prefill": True}, "without prefill"),
+    ({"has_swa": True}, "sliding-window"),
+    ({"use_sliding_window_kv_pool": True}, "sliding-window"),
+    ({"local_attn_builder": object()}, "chunked local attention"),
+    ({"is_encoder_decoder": True}, "cross attention"),
+    ({"attn_cp_size": 2}, "context-parallel"),
+    ({"_kv_shard_pool": object()}, "sharded"),
+    ({"kv_cache_dtype_str": "fp8_e4m3"}, "fp8_e4m3 KV cache"),
+    ({"full_cg_prefill_metadata": object()}, "made by another runner"),
+    ({"kv_index_translator": types.SimpleNamespace(is_translating=True)}, "translates cache slots"),
+])
+def test_each_fa3_runner_that_plans_per_forward_is_declined_by_name(attrs, named):
+    assert named in ga.decline_reason(fa3_runner(**attrs), None)
+
+
+def test_fa3_is_declined_under_dp_attention_and_for_embedding_models():
+    assert "DP attention" in ga.decline_reason(fa3_runner(), 2)
+    runner = fa3_runner()
+    runner.model_config.is_generation = False
+    assert "embedding" in ga.decline_reason(runner, None)
+
+
+def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_none(caplog):
+    runner = fa3_runner()
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert ga.GraphAttention(runner, None, 8192, "cpu").choose([16, 32, 64], "auto") is None
+    assert "no measured limit for fa3" in caplog.text
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    assert graph.choose([16, 32, 64], "graph") == [16, 32, 64] and graph.request_slots == 4
+    assert not hasattr(runner.attn_backend, "full_cg_prefill_wrappers")  # fa3's plan makes its own buffers
+    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
+        assert graph.variants([16, 32, 64]) is None  # one paged kernel for every step: nothing to vary
+    assert "no 'fresh' variant: fa3" in caplog.text
+
+
+def fa3_host(runner):
+    from bcg_plugin.adapters.sglang.host import SglangHost
+
+    host = SglangHost.__new__(SglangHost)
+    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
+    host.stored_in_graph = set()
+    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
+    return host
+
+
+def test_fa3_capture_makes_sglangs_metadata_for_the_request_slots_and_replays_refill_it_in_place():
+    runner = fa3_runner()
+    backend = runner.attn_backend
+    host = fa3_host(runner)
+    assert host.bcg_graph_attention([16, 32], "graph") == [16, 32]
+    for bucket in (32, 16):
+        host.bcg_dummy_batch(bucket, graph_attention=True, variant=None)
+    meta = backend.full_cg_prefill_metadata
+    assert meta is not None and meta.cache_seqlens_int32.shape == (4,) and meta.page_table.shape == (4, 64)
+    addresses = [t.data_ptr() for t in (meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.page_table)]
+
+    host.graph.plan_replay(extend([9, 7], [2, 0], rows=[3, 5]))
+    assert backend.forward_metadata is meta  # the tensors the captured kernels read, refilled in place
+    assert [t.data_ptr() for t in (meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                                   meta.page_table)] == addresses
+    assert meta.cache_seqlens_int32.tolist() == [9, 7, 0, 0]
+    assert meta.cu_seqlens_q.tolist() == [0, 7, 14, 14, 14]  # the new tokens; zero-length requests after
+    assert meta.cu_seqlens_k.tolist() == [0, 9, 16, 16, 16]
+    assert meta.page_table[0, :9].tolist() == list(range(3000, 3009))
+    assert meta.page_table[1, :7].tolist() == list(range(5000, 5007))
+
+    host.graph.plan_replay(extend([12], [4], rows=[2]))  # fewer requests: nothing left of the earlier step
+    assert meta.cache_seqlens_int32.tolist() == [12, 0, 0, 0] and meta.cu_seqlens_q.tolist() == [0, 8, 8, 8, 8]
+    assert meta.page_table[0, :12].tolist() == list(range(2000, 2012))
+
+
+def test_fa3_plan_refuses_a_live_batch_not_padded_to_the_request_slots():
+    """Control: SGLang's plan checks the request count it was captured for, so planning the live
+    batch as it comes (not :meth:`RequestSlots.padded_view`) fails instead of misreading rows."""
+    runner = fa3_runner()
+    host = fa3_host(runner)
+    host.bcg_graph_attention([16], "graph")
+    host.bcg_dummy_batch(16, graph_attention=True, variant=None)
+    with pytest.raises(AssertionError, match="fixed request-slot count"):
+        runner.attn_backend.init_forward_metadata_out_graph(extend([9, 7], [2, 0], rows=[3, 5]))
+
+
+def test_fa3_release_drops_the_metadata_so_a_later_capture_makes_it_again():
+    runner = fa3_runner()
+    backend = runner.attn_backend
+    host = fa3_host(runner)
+    host.bcg_graph_attention([16], "graph")
+    host.bcg_dummy_batch(16, graph_attention=True, variant=None)
+    first = backend.full_cg_prefill_metadata
+    host.graph.release()
+    assert backend.full_cg_prefill_metadata is None and backend.full_cg_prefill_strided_indices is None
+    assert ga.decline_reason(runner, None) is None  # no longer "made by another runner"
+    host.graph.choose([16], "graph")
+    host.bcg_dummy_batch(16, graph_attention=True, variant=None)
+    assert backend.full_cg_prefill_metadata is not None and backend.full_cg_prefill_metadata is not first

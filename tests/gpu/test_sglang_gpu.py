@@ -38,8 +38,10 @@ must replay in the next larger bucket, which breaks, and match eager. ``BCG_GRAP
 on): steps without a cached prefix replay in it, the others in the bucket's own graph, and the check
 covers both. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
-in the segment before it. On a backend whose break stores the KV cache (fa3) the stale-store
-control has nothing to make stale and is skipped.
+in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` breaks in every bucket, the
+store in the segment too (``sglang-fa3``), and ``graph`` keeps attention inside every bucket
+(``sglang-fa3-graph``, against SGLang's full prefill graphs on fa3). On a backend whose break stores
+the KV cache the stale-store control has nothing to make stale and is skipped.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
@@ -113,21 +115,24 @@ VARIANTS = os.environ.get("BCG_GRAPH_VARIANTS", "0").lower() in ("1", "true", "y
 
 
 def inside_tokens() -> int:
-    """The largest bucket bcg captures with attention inside its graph (0 for none): on flashinfer
-    without DP attention, every bucket under ``graph``, those up to the adapter's limit under ``auto``."""
-    if ATTENTION_BACKEND != "flashinfer" or DP != 1 or ATTENTION == "break":
+    """The largest bucket bcg captures with attention inside its graph (0 for none): on flashinfer or
+    fa3 without DP attention, every bucket under ``graph``; under ``auto`` those up to the adapter's
+    limit on flashinfer, none on fa3."""
+    if ATTENTION_BACKEND not in ("flashinfer", "fa3") or DP != 1 or ATTENTION == "break":
         return 0
     from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
 
-    return TOP_BUCKET if ATTENTION == "graph" else min(AUTO_GRAPH_ATTENTION_TOKENS, TOP_BUCKET)
+    if ATTENTION == "graph":
+        return TOP_BUCKET
+    return 0 if ATTENTION_BACKEND == "fa3" else min(AUTO_GRAPH_ATTENTION_TOKENS, TOP_BUCKET)
 
 
 INSIDE_TOKENS = inside_tokens()
 GRAPH_ATTENTION = INSIDE_TOKENS > 0
-# Where the captured graph stores the KV cache: on triton's and flashinfer's plain MHA pool, in the
-# segment before each layer's attention (a break, or attention inside the graph). Elsewhere (fa3) the
+# Where the captured graph stores the KV cache: on triton's, flashinfer's and fa3's plain MHA pool, in
+# the segment before each layer's attention (a break, or attention inside the graph). Elsewhere the
 # break stores it eagerly, as SGLang does, so there is no captured store for the stale-store control to make stale.
-SEGMENT_STORE = ATTENTION_BACKEND in ("triton", "flashinfer")
+SEGMENT_STORE = ATTENTION_BACKEND in ("triton", "flashinfer", "fa3")
 STORE_IN_GRAPH = SEGMENT_STORE or GRAPH_ATTENTION
 # What bcg is checked against: eager prefill, or with attention inside bcg's graph SGLang's own full
 # prefill graphs, captured for the sizes bcg keeps attention inside (larger steps run eagerly in both).
@@ -486,10 +491,10 @@ def bcg_capture(runs: dict) -> dict:
 
 
 def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs):
-    """flashinfer: every bucket captured attention inside its graph under ``BCG_ATTENTION=graph``,
-    every bucket up to ``INSIDE_TOKENS`` and none above under ``auto``, so the check below covers
-    that path (and under ``auto`` the break above it); otherwise none did (``break``, or triton,
-    which has no graph plan)."""
+    """flashinfer and fa3: every bucket captured attention inside its graph under ``BCG_ATTENTION=graph``;
+    on flashinfer under ``auto`` every bucket up to ``INSIDE_TOKENS`` and none above, so the check
+    below covers that path (and under ``auto`` the break above it); otherwise none did (``break``,
+    ``auto`` on fa3, or triton, which has no graph plan)."""
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
@@ -511,9 +516,10 @@ def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_other
 
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
-    if not VARIANTS or not inside:
+    if not VARIANTS or not inside or ATTENTION_BACKEND != "flashinfer":
         assert not capture["bcg_graph_variants"]
-        pytest.skip("graph variants are off, or no bucket keeps attention inside the graph in this run")
+        pytest.skip("graph variants are off, no bucket keeps attention inside the graph in this run, or the "
+                    "backend has no variant (flashinfer's only)")
     # SGLang's eager ragged wrapper asks flashinfer for "auto" on Hopper: only the version decides
     why_not = fresh_decline_reason(types.SimpleNamespace(prefill_wrapper_ragged=types.SimpleNamespace(
         _requested_backend="auto")))
@@ -528,7 +534,7 @@ def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_other
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
-    """triton's and flashinfer's plain MHA pool: every layer's store captured in the segment before
+    """triton's, flashinfer's and fa3's plain MHA pool: every layer's store captured in the segment before
     its attention, a break or attention inside the graph (what the stale-store control makes stale)."""
     capture = bcg_capture(runs)
     layers = model_config()["num_hidden_layers"]

@@ -174,6 +174,15 @@ def copies_key_value(backend: Any) -> bool:
     return isinstance(backend, TritonAttnBackend)
 
 
+# The backends whose extend attention stores the KV cache with nothing but the pool's store
+# (:func:`stores_in_segment`), named so that checking them imports none (fa3's module needs sgl_kernel).
+_SEGMENT_STORE_BACKENDS = frozenset({
+    ("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend"),
+    ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend"),
+    ("sglang.srt.layers.attention.flashattention_backend", "FlashAttentionBackend"),
+})
+
+
 def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
     """Whether layer ``layer_id``'s KV-cache store of ``rows`` key rows can run inside the captured
     segment instead of the break.
@@ -182,29 +191,31 @@ def stores_in_segment(fwd: ForwardPass, layer_id: int, rows: int) -> bool:
     buffers: the slots are the bucket's static buffer (landed before every replay; padded and
     DP-padded rows hold SGLang's padding slot 0, which no request owns and the store kernel skips)
     and the buffers live as long as the pool (SGLang's own decode graphs hold the same addresses).
-    That is the triton and flashinfer backends on the plain MHA pool: no KV quantization or scales,
-    no sliding-window or unified pool (their write slots are planned per forward), no decode-context
-    parallelism, no cross-attention, no flashinfer dequantizing workspace (it reads the new keys
-    beside the cache). flashinfer's ragged prefill stores after attention, but with one wrapper per
-    layer its attention reads the new keys from the call and only the prefix from the cache, so
-    storing first changes nothing. With a second wrapper (sliding-window or cross attention) SGLang
-    before 0.5.23 plans the full-attention layers' cache pass over the new tokens too, so there the
-    store stays in the break.
+    That is the triton, flashinfer and fa3 backends on the plain MHA pool: no KV quantization or
+    scales, no sliding-window or unified pool (their write slots are planned per forward), no
+    decode- or attention-context parallelism, no cross-attention, no flashinfer dequantizing
+    workspace (it reads the new keys beside the cache). fa3 stores first and then reads every key
+    from the cache, the new ones included, as the store in the segment leaves them. flashinfer's
+    ragged prefill stores after attention, but with one wrapper per layer its attention reads the
+    new keys from the call and only the prefix from the cache, so storing first changes nothing.
+    With a second wrapper (sliding-window or cross attention) SGLang before 0.5.23 plans the
+    full-attention layers' cache pass over the new tokens too, so there the store stays in the break.
     Everything else stores in the break, as SGLang does.
     """
-    from sglang.srt.layers.attention.flashinfer_backend import FlashInferAttnBackend
-    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     from sglang.srt.layers.radix_attention import AttentionType
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     backend = fwd.attn_backend
     pool = getattr(backend, "token_to_kv_pool", None)
-    if type(backend) not in (TritonAttnBackend, FlashInferAttnBackend) or type(pool) is not MHATokenToKVPool:
+    cls = type(backend)
+    if (cls.__module__, cls.__qualname__) not in _SEGMENT_STORE_BACKENDS or type(pool) is not MHATokenToKVPool:
         return False
     if (getattr(backend, "dcp_size", 1) != 1 or getattr(backend, "use_mla", False)
             or getattr(backend, "use_dense_fp8_chunked_prefill", False)
             or getattr(backend, "prefill_uses_dequant_workspace", False)
-            or getattr(backend, "dispatch_reason", None) is not None):  # flashinfer's second wrapper per layer
+            or getattr(backend, "dispatch_reason", None) is not None  # flashinfer's second wrapper per layer
+            or getattr(backend, "fa_impl_ver", 3) != 3 or getattr(backend, "fa_skip_kv_cache", False)
+            or getattr(backend, "attn_cp_size", 1) != 1 or getattr(backend, "_kv_shard_pool", None) is not None):
         return False
     if getattr(pool, "is_quantized_kv_cache", False) or getattr(pool, "requires_physical_write_loc", False):
         return False

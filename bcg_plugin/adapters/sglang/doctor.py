@@ -35,15 +35,16 @@ def attention_scope(config: BcgConfig) -> str:
 
     if config.attention == "break":
         return "an eager break in every bucket"
-    where = ("every bucket" if config.attention == "graph"
-             else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones)")
+    where = ("every bucket, where SGLang runs the flashinfer or fa3 attention backend" if config.attention == "graph"
+             else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones), where SGLang "
+                  "runs the flashinfer attention backend (on fa3 an eager break in every bucket: attention 'graph' "
+                  "keeps it inside)")
     variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a {FRESH!r} "
                 "variant running the ragged prefill for steps without a cached prefix"
                 if config.graph_variants else "")
-    return (f"inside the graph in {where}, where SGLang runs the flashinfer attention backend without DP "
-            "attention, sliding-window or cross attention, a step holding more requests than the buckets were "
-            f"captured for replaying in the next bucket that breaks, or eagerly{variants}; an eager break on "
-            "other backends; the capture logs its choice by bucket range")
+    return (f"inside the graph in {where}, without DP attention, sliding-window or cross attention, a step holding "
+            "more requests than the buckets were captured for replaying in the next bucket that breaks, or "
+            f"eagerly{variants}; an eager break on other backends; the capture logs its choice by bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

@@ -1,5 +1,5 @@
-"""Attention inside bcg's graph on SGLang: flashinfer's paged prefill, planned as SGLang's own
-``full`` prefill graphs plan it.
+"""Attention inside bcg's graph on SGLang: the flashinfer or fa3 backend's paged prefill, planned as
+SGLang's own ``full`` prefill graphs plan it.
 
 A graph bucket is captured with a batch of ``r`` request slots (its real requests, then
 zero-length ones) whose plan (the backend's ``init_forward_metadata_out_graph`` with
@@ -10,10 +10,12 @@ captured kernels read only what the plan wrote, so one graph serves any batch mi
 requests. A step with more requests replays in the next larger bucket that breaks, or where none
 does runs eagerly (counted).
 
-Its kernels are those of SGLang's full graphs, not eager's (a paged prefill over every token where
-eager runs a ragged one over the new tokens), so its outputs are held to full's, not to eager's.
+Its kernels are those of SGLang's full graphs, not eager's (on flashinfer a paged prefill over every
+token where eager runs a ragged one over the new tokens; on fa3 eager's paged kernel over a grid
+sized for the bucket and its request slots), so its outputs are held to full's, not to eager's.
 ``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
-inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS`.
+inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on flashinfer, and on fa3, whose limit
+no run has measured yet, inside none.
 
 With ``graph_variants`` (off by default) every graph bucket is also captured as the variant
 :data:`FRESH`, for steps whose requests have no cached prefix: there attention runs flashinfer's
@@ -38,14 +40,19 @@ import torch
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
-# The backend whose full prefill graph plan bcg uses, named so that checking it imports nothing
-# (flashinfer is not imported on a host that runs another backend).
-GRAPH_BACKEND = ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend")
+# The backends whose full prefill graph plan bcg uses, named so that checking them imports nothing
+# (flashinfer is not imported on a host that runs another backend); fa4 shares fa3's class.
+FLASHINFER = "flashinfer"
+FA3 = "fa3"
+GRAPH_BACKENDS = {
+    ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend"): FLASHINFER,
+    ("sglang.srt.layers.attention.flashattention_backend", "FlashAttentionBackend"): FA3,
+}
 # The fewest request slots a graph bucket plans for. SGLang's own rule (chunked-prefill size / 512)
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
 MIN_REQUEST_SLOTS = 64
-# The largest bucket "auto" keeps attention inside the graph for. Up to it the host time of the
+# The largest bucket "auto" keeps attention inside the graph for on flashinfer. Up to it the host time of the
 # flashinfer breaks (the wrapper's Python, once per layer) is not hidden behind the step's GPU work,
 # and a graph without them is faster; above it an eager ragged prefill sized for the live batch beats
 # the paged one captured for the bucket's worst case (docs/benchmarks.md: SGLang 0.5.23 on flashinfer,
@@ -64,17 +71,59 @@ FRESH_MIN_FLASHINFER = Version("0.7.2")
 FRESH_BACKENDS = ("auto", "fa2", "fa3")
 
 
+def backend_kind(backend: Any) -> str | None:
+    """:data:`FLASHINFER` or :data:`FA3` for SGLang's own class of that backend (not a subclass, which
+    may plan otherwise), else ``None``."""
+    cls = type(backend)
+    return GRAPH_BACKENDS.get((cls.__module__, cls.__qualname__))
+
+
 def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
     """Why attention cannot stay inside bcg's graphs on this runner, or ``None`` where it can."""
     backend = model_runner.attn_backend
-    cls = type(backend)
-    if (cls.__module__, cls.__qualname__) != GRAPH_BACKEND:
-        return (f"the {cls.__name__} attention backend has no full prefill graph plan bcg uses "
-                "(--attention-backend flashinfer has)")
-    if not all(hasattr(backend, name) for name in ("init_forward_metadata_out_graph", "_create_full_cg_prefill_wrappers")):
-        return "this SGLang's flashinfer backend has no full prefill graph plan"
+    kind = backend_kind(backend)
+    if kind is None:
+        return (f"the {type(backend).__name__} attention backend has no full prefill graph plan bcg uses "
+                "(--attention-backend flashinfer or fa3 has)")
+    plan = ("_create_full_cg_prefill_wrappers" if kind == FLASHINFER else "_init_full_cg_prefill_metadata")
+    if not all(hasattr(backend, name) for name in ("init_forward_metadata_out_graph", plan)):
+        return f"this SGLang's {kind} backend has no full prefill graph plan"
     if dp_ranks is not None:
         return "DP attention (its padded steps plan per rank)"
+    if not getattr(model_runner.model_config, "is_generation", True):
+        return "an embedding or encoder-only model"
+    pool = getattr(backend, "token_to_kv_pool", None)
+    if (getattr(pool, "requires_physical_write_loc", False)
+            or getattr(getattr(backend, "kv_index_translator", None), "is_translating", False)):
+        return "a KV pool that translates cache slots per forward"
+    return _flashinfer_reason(backend) if kind == FLASHINFER else _fa3_reason(backend)
+
+
+def _fa3_reason(backend: Any) -> str | None:
+    """What of the fa3 backend's own features plans per forward or is not fa3's paged MHA prefill."""
+    if getattr(backend, "fa_impl_ver", 3) != 3:
+        return f"FlashAttention {backend.fa_impl_ver} (bcg keeps only fa3's attention inside the graph)"
+    if getattr(backend, "use_mla", False):
+        return "MLA attention"
+    if getattr(backend, "skip_prefill", False):
+        return "a backend without prefill"
+    if getattr(backend, "use_sliding_window_kv_pool", False) or getattr(backend, "has_swa", False):
+        return "sliding-window attention (its window's block table and write slots are planned per forward)"
+    if getattr(backend, "local_attn_builder", None) is not None:
+        return "chunked local attention (its blocks are planned per forward)"
+    if getattr(backend, "is_encoder_decoder", False):
+        return "cross attention"
+    if getattr(backend, "_kv_shard_pool", None) is not None or getattr(backend, "attn_cp_size", 1) > 1:
+        return "a sharded or context-parallel KV cache (gathered per forward)"
+    if getattr(backend, "kv_cache_dtype_str", "auto") != "auto":
+        return f"a {backend.kv_cache_dtype_str} KV cache (fa3 inside bcg's graph reads an unquantized one only)"
+    if getattr(backend, "full_cg_prefill_metadata", None) is not None:
+        return "the backend's full prefill metadata was made by another runner"
+    return None
+
+
+def _flashinfer_reason(backend: Any) -> str | None:
+    """What of the flashinfer backend's own features plans per forward or needs a second wrapper."""
     if getattr(backend, "dispatch_reason", None) is not None:
         return "sliding-window or cross attention (a second flashinfer wrapper per layer)"
     if getattr(backend, "use_sliding_window_kv_pool", False):
@@ -83,17 +132,12 @@ def decline_reason(model_runner: Any, dp_ranks: int | None) -> str | None:
         return "a dequantizing KV workspace (filled per forward on the host)"
     if getattr(backend, "skip_prefill", False):
         return "a backend without prefill wrappers"
-    if not getattr(model_runner.model_config, "is_generation", True):
-        return "an embedding or encoder-only model"
     if getattr(backend, "enable_mis", False):
         return "multi-item scoring (its masks are planned per forward)"
     if getattr(backend, "enable_deterministic", False):
         return "deterministic inference (its eager plan fixes the split size the graph's plan drops)"
     if getattr(backend, "full_cg_prefill_wrappers", None) is not None:
         return "the backend's full prefill wrappers were made by another runner"
-    pool = getattr(backend, "token_to_kv_pool", None)
-    if getattr(pool, "requires_physical_write_loc", False):
-        return "a KV pool that translates cache slots per forward"
     return None
 
 
@@ -140,10 +184,17 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
 
 
+# What SGLang's full prefill plan leaves on the backend, made for bcg's graph buckets: flashinfer's
+# wrappers and their buffers, fa3's metadata and the buffers its plan fills.
+_PLAN_ATTRIBUTES = ("full_cg_prefill_wrappers", "full_cg_prefill_workspace_buffer", "full_cg_prefill_qo_indptr",
+                    "full_cg_prefill_kv_indptr", "full_cg_prefill_kv_indices", "full_cg_prefill_metadata",
+                    "full_cg_prefill_strided_indices", "full_cg_prefill_swa_out_cache_loc")
+
+
 class RequestSlots:
     """The ``r``-long per-request vectors a graph bucket's plan reads, padded with zero-length requests.
 
-    Holds device buffers for the request vectors SGLang's flashinfer plan reads (sequence and
+    Holds device buffers for the request vectors SGLang's full prefill plans read (sequence and
     extend lengths, prefix lengths, request-pool rows) and the host copy of the sequence lengths;
     slots past a batch's requests hold zeros, which the plan turns into empty requests (row 0 of
     the request pool is never read for them: their length is zero).
@@ -206,22 +257,27 @@ class GraphAttention:
         self.model_runner = model_runner
         self.device = device
         self.reason = decline_reason(model_runner, dp_ranks)
+        self.kind = backend_kind(model_runner.attn_backend)
         self.chunk = chunk
         self.buckets: list[int] = []
         self.slots: RequestSlots | None = None
         self.ragged: Any = None  # the FRESH variant's graph wrapper, once the core asks for variants
-        self._made_wrappers = False
+        self._made_plan = False
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
         """The buckets whose attention stays inside the graph where the runner allows it: every
-        bucket for ``"graph"``, those up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` for ``"auto"``,
-        none for ``"break"``."""
+        bucket for ``"graph"``; for ``"auto"`` those up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on
+        flashinfer and none on fa3; none for ``"break"``."""
         if attention == "break":
             return None
         if self.reason is not None:
             # A warning only where "graph" was asked for: under "auto" breaking is the expected outcome.
             (logger.warning if attention == "graph" else logger.info)(
                 "bcg: attention stays an eager break in every bucket: %s", self.reason)
+            return None
+        if attention == "auto" and self.kind == FA3:
+            logger.info("bcg: attention stays an eager break in every bucket: 'auto' has no measured limit for "
+                        "fa3 (attention 'graph' keeps it inside every bucket)")
             return None
         chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= AUTO_GRAPH_ATTENTION_TOKENS]
         if not chosen:
@@ -230,9 +286,11 @@ class GraphAttention:
             top = max(chosen)
             r = request_slots(self.model_runner, self.chunk, top)
             backend = self.model_runner.attn_backend
-            # Sized for the largest graph bucket and r requests, as SGLang sizes its own.
-            backend.full_cg_prefill_wrappers = backend._create_full_cg_prefill_wrappers(r, top)
-            self._made_wrappers = True
+            if self.kind == FLASHINFER:
+                # Sized for the largest graph bucket and r requests, as SGLang sizes its own. fa3 makes
+                # its buffers in the first capture's plan, sized by its r requests.
+                backend.full_cg_prefill_wrappers = backend._create_full_cg_prefill_wrappers(r, top)
+            self._made_plan = True
             self.slots = RequestSlots(r, self.device)
             self.buckets = chosen
         return list(self.buckets)
@@ -243,7 +301,8 @@ class GraphAttention:
         if self.slots is None:
             return None
         if self.ragged is None:
-            reason = fresh_decline_reason(self.model_runner.attn_backend)
+            reason = (fresh_decline_reason(self.model_runner.attn_backend) if self.kind == FLASHINFER
+                      else "fa3 runs one paged kernel for every step, with no split to leave out")
             if reason is not None:
                 logger.info("bcg: graph buckets have no %r variant: %s", FRESH, reason)
                 return None
@@ -276,15 +335,15 @@ class GraphAttention:
         )
 
     def release(self) -> None:
-        """Give back the wrappers, their workspace and the request slots made for graph buckets:
-        after a failed capture the runner serves eagerly, and they would only hold device memory."""
-        if self._made_wrappers:
+        """Give back the wrappers (flashinfer) or metadata buffers (fa3), the workspace and the request
+        slots made for graph buckets: after a failed capture the runner serves eagerly, and they
+        would only hold device memory."""
+        if self._made_plan:
             backend = self.model_runner.attn_backend
-            for name in ("full_cg_prefill_wrappers", "full_cg_prefill_workspace_buffer", "full_cg_prefill_qo_indptr",
-                         "full_cg_prefill_kv_indptr", "full_cg_prefill_kv_indices"):
+            for name in _PLAN_ATTRIBUTES:
                 if hasattr(backend, name):
                     setattr(backend, name, None)
-            self._made_wrappers = False
+            self._made_plan = False
         self.slots = None
         self.ragged = None
         self.buckets = []

@@ -269,8 +269,8 @@ def store_summary(stored: int, layers: int, graph_buckets: int, buckets: int) ->
     elif stored:
         where = f"captured in the segment before the break in {stored} of {layers} layers, in the break in the others"
     else:
-        where = ("in each layer's eager break, as SGLang stores it (captured in the segment only on the triton "
-                 "and flashinfer backends with SGLang's plain MHA pool)")
+        where = ("in each layer's eager break, as SGLang stores it (captured in the segment only on the triton, "
+                 "flashinfer and fa3 backends with SGLang's plain MHA pool)")
     if graph_buckets:
         where += f"; inside the graph with attention in the {graph_buckets} of {buckets} buckets that keep attention there"
     return f"bcg: KV-cache store {where}"
