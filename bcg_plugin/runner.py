@@ -391,11 +391,47 @@ class PrefillGraphRunner:
                                         leave=False)):
             self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=i == 0 or every)
             for name in self.graph_variants.get(bucket, ()):
-                graph = self._capture_agreed(bucket, stream, group, warm=name not in warmed or every, variant=name)
+                graph = self._capture_variant(bucket, name, stream, group, warm=name not in warmed or every)
+                if graph is None:
+                    break
                 self._variant_graphs[(bucket, name)] = graph
                 warmed.add(name)
             if after_each is not None:
                 after_each()
+
+    def _capture_variant(self, bucket: int, name: str, stream: torch.cuda.Stream, group: Any, *,
+                         warm: bool) -> SegmentedGraph | None:
+        """Capture variant ``name`` of ``bucket`` as :meth:`_capture_agreed` captures a bucket, or, where
+        that failed on any rank, drop every variant on every rank and return ``None``: a variant is
+        a faster graph for some of a bucket's steps, never the only one, so its failure must not
+        leave prefill eager. Out of memory still fails the capture, and so does a failure after
+        which a rank cannot go on (its device unusable): the ranks agree on that first, since the
+        next bucket's warm-up runs collectives every rank must join."""
+        try:
+            return self._capture_agreed(bucket, stream, group, warm=warm, variant=name)
+        except _PeerCaptureFailure as e:
+            if e.status is CaptureStatus.OOM:
+                raise
+            error: BaseException | None = None
+            fails_on = "on another rank"
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            error, fails_on = e, repr(e)
+        lost = error is not None and self._device_lost(error, "capture") is not None
+        if agree_capture_status(CaptureStatus.FAILED if lost else CaptureStatus.OK, group) is not CaptureStatus.OK:
+            if error is not None:
+                raise error
+            raise _PeerCaptureFailure(CaptureStatus.FAILED)
+        logger.warning("bcg: graph variant %r of bucket %d did not capture (%s); every rank drops the graph "
+                       "variants, and the buckets' own graphs serve their steps", name, bucket, fails_on)
+        for graph in self._variant_graphs.values():
+            graph.release()
+        self._variant_graphs.clear()
+        self.graph_variants = {}
+        if error is not None:
+            traceback.clear_frames(error.__traceback__)
+        return None
 
     def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool,
                         variant: str | None = None) -> SegmentedGraph:

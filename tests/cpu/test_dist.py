@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
+from bcg_plugin.errors import BcgCaptureError
 
 LADDER = [16, 32, 64, 128]
 RESULT_TIMEOUT_S = 300  # from start to every rank's result: spawn, gloo rendezvous and the test's collectives
@@ -212,6 +213,63 @@ def test_setup_failing_on_one_rank_leaves_every_rank_eager_before_any_bucket(tmp
     # Rank 0 must not start bucket 64's warm-up: its collectives would wait for rank 1 forever.
     results = _run(2, _capture_script, tmp_path, 1, None, "setup", RuntimeError("injected"), {})
     assert results == [["eager", []], ["eager", []]]
+
+
+class _VariantHost(_InjectedFailure):
+    """Attention inside the graph of buckets 16 and 32, each also captured as variant ``"fresh"``."""
+
+    @hookimpl
+    def bcg_graph_attention(self, buckets, attention):
+        return [16, 32]
+
+    @hookimpl
+    def bcg_graph_variants(self, buckets):
+        return {16: ["fresh"], 32: ["fresh"]}
+
+
+def _variant_capture_script(rank, failing_rank, lost):
+    """The real capture loop with variants, variant ``"fresh"`` of bucket 32 failing on ``failing_rank``;
+    ``lost``: that failure leaves the failing rank's device unusable. Returns what happened."""
+    runner = PrefillGraphRunner(plugin_manager(_VariantHost(rank, failing_rank)),
+                                BcgConfig(enable=True, sizes=(16, 32, 64), graph_variants=True), chunk_size=64,
+                                device="cpu")
+    log = []
+
+    def capture_bucket(bucket, stream, *, warm=True, variant=None):
+        log.append((bucket, variant))
+        if rank == failing_rank and (bucket, variant) == (32, "fresh"):
+            raise RuntimeError("injected")
+        return _FakeGraph(log, (bucket, variant))
+
+    def prepare_capture():
+        runner.graph_attention = runner._plan_attention()
+        runner.graph_variants = runner._plan_variants()
+        runner._pool = _FakePool()
+
+    def device_lost(error, during):
+        return BcgCaptureError("device lost") if lost and rank == failing_rank else None
+
+    runner._capture_bucket, runner._prepare_capture, runner._device_lost = capture_bucket, prepare_capture, device_lost
+    try:
+        runner.capture(progress=False)
+        outcome = "captured" if runner.captured else "eager"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    return [outcome, log, {str(b): list(v) for b, v in runner.graph_variants.items()}]
+
+
+def test_a_variant_failing_on_one_rank_drops_the_variants_on_every_rank_and_both_go_on(tmp_path):
+    results = _run(2, _variant_capture_script, tmp_path, 1, False)
+    assert results[0] == ["captured", [(64, None), (32, None), (32, "fresh"), ("released", (32, "fresh")),
+                                       (16, None)], {}]
+    assert results[1] == ["captured", [(64, None), (32, None), (32, "fresh"), (16, None)], {}]
+
+
+def test_a_variant_failure_that_loses_a_device_stops_every_rank_at_that_bucket(tmp_path):
+    results = _run(2, _variant_capture_script, tmp_path, 1, True)
+    assert results[0][0] == "eager" and results[1][0] == "BcgCaptureError: device lost"
+    for _, log, _ in results:  # nobody went on to warm up bucket 16
+        assert [entry for entry in log if entry[0] == 16] == []
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,9 @@ class _Pool:
         pass
 
 
-def _runner(host, log, config=None):
+def _runner(host, log, config=None, fails=None):
+    """A runner over ``host`` whose captures are recorded in ``log``; the capture of ``fails``
+    (``(bucket, variant)``) raises ``fails_with``."""
     config = config or BcgConfig(enable=True, sizes=SIZES, graph_variants=True)
     runner = PrefillGraphRunner(plugin_manager(host), config, chunk_size=max(config.sizes), device="cpu")
 
@@ -78,6 +80,8 @@ def _runner(host, log, config=None):
 
     def capture_bucket(bucket, stream, *, warm=True, variant=None):
         log.append(("capture", bucket, variant, warm))
+        if fails is not None and (bucket, variant) == fails[0]:
+            raise fails[1]
         return _Graph(log, (bucket, variant))
 
     runner._prepare_capture, runner._capture_bucket = prepare, capture_bucket
@@ -172,3 +176,37 @@ def test_the_summary_names_the_buckets_each_variant_covers():
                        "also as 'fresh': 16..32 (2 buckets)")
     assert attention_summary([16, 32], frozenset({16})) == \
         "attention inside the graph: 16 (1 bucket); eager break: 32 (1 bucket)"
+
+
+def test_a_variant_that_fails_to_capture_drops_the_variants_and_the_buckets_still_capture(caplog):
+    log = []
+    runner = _replayable(_runner(_Host(variants={16: ["fresh"], 32: ["fresh"]}), log,
+                                 BcgConfig(enable=True, sizes=SIZES, warmup="first_bucket", graph_variants=True),
+                                 fails=((16, "fresh"), RuntimeError("plan refused"))))
+    with caplog.at_level("WARNING", logger="bcg_plugin"):
+        runner.capture(progress=False)
+    assert runner.captured and runner.stats.buckets_captured == 3
+    assert runner.graph_variants == {} and runner.stats.variant_graphs == 0
+    assert ("release", (32, "fresh")) in log  # the variant captured before the failure is given back
+    assert [entry[1:] for entry in log if entry[0] == "capture"][-2:] == [(16, "fresh", False), (16, "fresh", True)]
+    assert "graph variant 'fresh' of bucket 16 did not capture (RuntimeError('plan refused'))" in caplog.text
+    runner.replay(16, HostBatch(num_tokens=9, inputs={}))  # the bucket's own graph serves the step
+    with pytest.raises(BcgStateError, match="bucket 16 has no graph variant 'fresh'"):
+        runner.replay(16, HostBatch(num_tokens=9, inputs={}), "fresh")
+
+
+def test_a_variant_that_runs_out_of_memory_still_fails_the_boot():
+    from bcg_plugin import BcgCaptureOOM
+
+    runner = _runner(_Host(variants={16: ["fresh"]}), [], fails=((16, "fresh"), torch.OutOfMemoryError("injected")))
+    with pytest.raises(BcgCaptureOOM):
+        runner.capture(progress=False)
+
+
+def test_a_variant_failure_that_leaves_the_device_unusable_fails_the_capture():
+    from bcg_plugin.errors import BcgCaptureError
+
+    runner = _runner(_Host(variants={16: ["fresh"]}), [], fails=((16, "fresh"), RuntimeError("illegal memory access")))
+    runner._device_lost = lambda error, during: BcgCaptureError(f"lost during {during}")
+    with pytest.raises(BcgCaptureError, match="lost during capture"):
+        runner.capture(progress=False)
