@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fake_pool import FakePool
 
 from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
@@ -145,14 +146,6 @@ class _FakeGraph:
         self.log.append(("released", self.bucket))
 
 
-class _FakePool:
-    def reserved_bytes(self):
-        return 0
-
-    def release(self):
-        pass
-
-
 def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
     """Run the real capture loop (setup vote, per-bucket votes) with a scripted setup and
     ``_capture_bucket``; return what happened.
@@ -173,7 +166,7 @@ def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
     def prepare_capture():  # no CUDA buffers, pool or stream
         if rank == failing_rank and fail_when == "setup":
             raise error
-        runner._pool = _FakePool()
+        runner._pool = FakePool()
         return None
 
     runner._capture_bucket, runner._prepare_capture = capture_bucket, prepare_capture
@@ -244,7 +237,7 @@ def _variant_capture_script(rank, failing_rank, lost):
     def prepare_capture():
         runner.graph_attention = runner._plan_attention()
         runner.graph_variants = runner._plan_variants()
-        runner._pool = _FakePool()
+        runner._pool = FakePool()
 
     def device_lost(error, during):
         return BcgCaptureError("device lost") if lost and rank == failing_rank else None

@@ -1,10 +1,10 @@
 """The graph-memory estimate for hosts that size their KV cache before capturing: sample, release, extrapolate."""
 
-import contextlib
 import logging
 
 import pytest
 import torch
+from fake_pool import FakePool
 
 from bcg_plugin import BcgCaptureError, BcgConfig, BcgStateError, PrefillGraphRunner, plugin_manager
 from bcg_plugin import runner as runner_mod
@@ -46,20 +46,7 @@ class _FakeDevice:
         return self.free
 
 
-class _FakePool:
-    """GraphPool's surface without a device: nothing reserved, allocations left where they are."""
-
-    def reserved_bytes(self) -> int:
-        return 0
-
-    def allocating(self):
-        return contextlib.nullcontext()
-
-    def release(self) -> None:
-        pass
-
-
-class _DevicePool(_FakePool):
+class _DevicePool(FakePool):
     """The fake device's pool: as large as the device says."""
 
     def __init__(self, device):
@@ -102,7 +89,7 @@ def test_capture_can_follow_the_estimate(monkeypatch):
     runner = _runner(monkeypatch, device)
     runner.estimate_graph_bytes()
     device.captured.clear()
-    monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
+    monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
     runner._prepare_capture = lambda: runner.__setattr__("_pool", runner_mod.GraphPool())
     runner.capture(progress=False)
     assert runner.captured and device.captured == sorted(SIZES, reverse=True)
@@ -132,7 +119,7 @@ def _sticky_cuda_error(monkeypatch):
 def test_a_failure_that_leaves_the_device_unusable_fails_the_capture_instead_of_falling_back(monkeypatch, sticky):
     device = _FakeDevice(failing_bucket=64)
     runner = _runner(monkeypatch, device)
-    monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
+    monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
     runner._prepare_capture = lambda: runner.__setattr__("_pool", runner_mod.GraphPool())
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -193,7 +180,7 @@ def test_estimate_and_capture_share_one_stream_when_the_host_names_none(monkeypa
     runner = PrefillGraphRunner(plugin_manager(_NoStreamHost()), BcgConfig(enable=True, sizes=SIZES),
                                 chunk_size=128, device="cpu")
     monkeypatch.setattr(runner_mod, "free_device_bytes", lambda _: device.free)
-    monkeypatch.setattr(runner_mod, "GraphPool", _FakePool)
+    monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
     monkeypatch.setattr(runner_mod, "default_capture_stream", lambda _: torch_stream)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
     runner._capture_bucket = lambda bucket, stream, warm=True, variant=None: (

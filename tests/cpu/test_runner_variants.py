@@ -1,11 +1,11 @@
 """Graph variants: a graph-attention bucket captured again from a capture batch the host plans
 differently, and the variant the host names at replay is the one that runs."""
 
-import contextlib
 import types
 
 import pytest
 import torch
+from fake_pool import FakePool
 
 from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, plugin_manager
 from bcg_plugin.hookspecs import hookimpl
@@ -56,17 +56,6 @@ class _Graph:
         self.log.append(("release", self.key))
 
 
-class _Pool:
-    def reserved_bytes(self):
-        return 0
-
-    def allocating(self):
-        return contextlib.nullcontext()
-
-    def release(self):
-        pass
-
-
 def _runner(host, log, config=None, fails=None):
     """A runner over ``host`` whose captures are recorded in ``log``; the capture of ``fails``
     (``(bucket, variant)``) raises ``fails_with``."""
@@ -76,7 +65,7 @@ def _runner(host, log, config=None, fails=None):
     def prepare():  # the setup's plans and pool, without static buffers or a stream off CUDA
         runner.graph_attention = runner._plan_attention()
         runner.graph_variants = runner._plan_variants()
-        runner._pool = _Pool()
+        runner._pool = FakePool()
 
     def capture_bucket(bucket, stream, *, warm=True, variant=None):
         log.append(("capture", bucket, variant, warm))

@@ -37,6 +37,7 @@ from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag  # noqa: E
 from bcg_plugin.patches import PatchTargetError, descriptors  # noqa: E402
 from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable, radix_attention_eager  # noqa: E402
 import sglang_fa3  # noqa: E402
+from fake_pool import FakePool  # noqa: E402
 
 # SGLang 0.5.23 replaced the module-level breakable attention ops with RadixAttention's eager method.
 EAGER_METHOD = not hasattr(radix_attention, "breakable_unified_attention_with_output")
@@ -474,20 +475,12 @@ def _eager_method_is_bcgs_break_and_its_variants_are_refused(monkeypatch):
     assert len(seen) == 1
 
 
-class _FakePool:
-    def reserved_bytes(self) -> int:
-        return 0
-
-    def release(self) -> None:
-        pass
-
-
 def _runner_whose_body_reaches(op, capture_failure="eager"):
     """A runner on CPU whose every bucket's body calls ``op``: capture reduced to the body, the
     failure handling (agreement, fallback, raise) the core's own."""
     runner = PrefillGraphRunner(plugin_manager(), BcgConfig(enable=True, sizes=(16, 32), capture_failure=capture_failure),
                                 chunk_size=32, device="cpu")
-    runner._prepare_capture = lambda: runner.__setattr__("_pool", _FakePool())
+    runner._prepare_capture = lambda: runner.__setattr__("_pool", FakePool())
 
     def capture_bucket(bucket, stream, warm=True, variant=None):
         op(torch.zeros(bucket))
