@@ -402,54 +402,48 @@ class PrefillGraphRunner:
     def _capture_variant(self, bucket: int, name: str, stream: torch.cuda.Stream, group: Any, *,
                          warm: bool) -> SegmentedGraph | None:
         """Capture variant ``name`` of ``bucket`` as :meth:`_capture_agreed` captures a bucket, or, where
-        that failed on any rank, drop every variant on every rank and return ``None``: a variant is
-        a faster graph for some of a bucket's steps, never the only one, so its failure must not
-        leave prefill eager. Out of memory still fails the capture, and so does a failure after
-        which a rank cannot go on (its device unusable): the ranks agree on that first, since the
-        next bucket's warm-up runs collectives every rank must join."""
-        try:
-            return self._capture_agreed(bucket, stream, group, warm=warm, variant=name)
-        except _PeerCaptureFailure as e:
-            if e.status is CaptureStatus.OOM:
-                raise
-            error: BaseException | None = None
-            fails_on = "on another rank"
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:
-            error, fails_on = e, repr(e)
-        lost = error is not None and self._device_lost(error, "capture") is not None
-        if agree_capture_status(CaptureStatus.FAILED if lost else CaptureStatus.OK, group) is not CaptureStatus.OK:
-            if error is not None:
-                raise error
-            raise _PeerCaptureFailure(CaptureStatus.FAILED)
-        logger.warning("bcg: graph variant %r of bucket %d did not capture (%s); every rank drops the graph "
-                       "variants, and the buckets' own graphs serve their steps", name, bucket, fails_on)
-        for graph in self._variant_graphs.values():
-            graph.release()
+        that failed on any rank for a reason other than out of memory, drop every variant on every
+        rank and return ``None``: a variant is a faster graph for some of a bucket's steps, never
+        the only one, so its failure must not leave prefill eager."""
+        graph = self._capture_agreed(bucket, stream, group, warm=warm, variant=name)
+        if graph is not None:
+            return graph
+        for captured in self._variant_graphs.values():
+            captured.release()
         self._variant_graphs.clear()
         self.graph_variants = {}
-        if error is not None:
-            traceback.clear_frames(error.__traceback__)
         return None
 
     def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool,
-                        variant: str | None = None) -> SegmentedGraph:
-        """Capture one bucket, then agree on the outcome with every rank before the next one.
+                        variant: str | None = None) -> SegmentedGraph | None:
+        """Capture one bucket (or its ``variant``), then agree on the outcome with every rank before the next one.
 
         A warm-up runs the body's collectives eagerly, so no rank may start one that another rank
-        (stopped by a failure) will never join: every rank stops at the same bucket. A direct
-        capture (no warm-up) that failed on any rank is retried by every rank after a warm-up.
+        (stopped by a failure) will never join: every rank stops at the same bucket. A capture that
+        failed on any rank, not for want of memory, is retried by every rank after a warm-up where
+        it had none, and a variant's is given up (``None``), once the ranks have agreed that every
+        device still runs work: after a sticky CUDA error a rank cannot join the warm-up's
+        collectives or the next bucket's. Every branch follows the statuses the ranks agreed on, so
+        every rank makes the same collective calls.
         """
         graph, world, error = _agreed(lambda: self._capture_bucket(bucket, stream, warm=warm, variant=variant), group)
         if world is CaptureStatus.OK:
             return graph
         if graph is not None:
             graph.release()
-        if world is CaptureStatus.FAILED and not warm:
-            logger.info("bcg: bucket %d did not capture without a warm-up (%s); recapturing it after one",
-                        bucket, repr(error) if error is not None else "on another rank")
-            return self._capture_agreed(bucket, stream, group, warm=True, variant=variant)
+        if world is CaptureStatus.FAILED and (variant is not None or not warm):
+            lost = error is not None and self._device_lost(error, "capture") is not None
+            if agree_capture_status(CaptureStatus.FAILED if lost else CaptureStatus.OK, group) is CaptureStatus.OK:
+                why = repr(error) if error is not None else "on another rank"
+                if error is not None:
+                    traceback.clear_frames(error.__traceback__)
+                if not warm:
+                    logger.info("bcg: bucket %d%s did not capture without a warm-up (%s); recapturing it after one",
+                                bucket, "" if variant is None else f" (variant {variant!r})", why)
+                    return self._capture_agreed(bucket, stream, group, warm=True, variant=variant)
+                logger.warning("bcg: graph variant %r of bucket %d did not capture (%s); every rank drops the graph "
+                               "variants, and the buckets' own graphs serve their steps", variant, bucket, why)
+                return None
         if error is not None:
             raise error
         raise _PeerCaptureFailure(world)

@@ -220,18 +220,19 @@ class _VariantHost(_InjectedFailure):
         return {16: ["fresh"], 32: ["fresh"]}
 
 
-def _variant_capture_script(rank, failing_rank, lost):
-    """The real capture loop with variants, variant ``"fresh"`` of bucket 32 failing on ``failing_rank``;
-    ``lost``: that failure leaves the failing rank's device unusable. Returns what happened."""
-    runner = PrefillGraphRunner(plugin_manager(_VariantHost(rank, failing_rank)),
-                                BcgConfig(enable=True, sizes=(16, 32, 64), graph_variants=True), chunk_size=64,
-                                device="cpu")
+def _variant_capture_script(rank, errors, fail_at, lost, warmup):
+    """The real capture loop with variants: the capture of ``fail_at`` (bucket, variant) raises
+    ``errors[rank]`` on the ranks named there; ``lost``: those failures leave the device unusable.
+    Returns what happened."""
+    runner = PrefillGraphRunner(plugin_manager(_VariantHost(rank, None)),
+                                BcgConfig(enable=True, sizes=(16, 32, 64), graph_variants=True, warmup=warmup),
+                                chunk_size=64, device="cpu")
     log = []
 
     def capture_bucket(bucket, stream, *, warm=True, variant=None):
-        log.append((bucket, variant))
-        if rank == failing_rank and (bucket, variant) == (32, "fresh"):
-            raise RuntimeError("injected")
+        log.append((bucket, variant, warm))
+        if rank in errors and (bucket, variant) == fail_at:
+            raise errors[rank]
         return _FakeGraph(log, (bucket, variant))
 
     def prepare_capture():
@@ -240,7 +241,7 @@ def _variant_capture_script(rank, failing_rank, lost):
         runner._pool = FakePool()
 
     def device_lost(error, during):
-        return BcgCaptureError("device lost") if lost and rank == failing_rank else None
+        return BcgCaptureError("device lost") if lost and rank in errors else None
 
     runner._capture_bucket, runner._prepare_capture, runner._device_lost = capture_bucket, prepare_capture, device_lost
     try:
@@ -252,17 +253,28 @@ def _variant_capture_script(rank, failing_rank, lost):
 
 
 def test_a_variant_failing_on_one_rank_drops_the_variants_on_every_rank_and_both_go_on(tmp_path):
-    results = _run(2, _variant_capture_script, tmp_path, 1, False)
-    assert results[0] == ["captured", [(64, None), (32, None), (32, "fresh"), ("released", (32, "fresh")),
-                                       (16, None)], {}]
-    assert results[1] == ["captured", [(64, None), (32, None), (32, "fresh"), (16, None)], {}]
+    results = _run(2, _variant_capture_script, tmp_path, {1: RuntimeError("injected")}, (32, "fresh"), False,
+                   "every_bucket")
+    captured = [(64, None, True), (32, None, True), (32, "fresh", True)]
+    assert results[0] == ["captured", captured + [("released", (32, "fresh")), (16, None, True)], {}]
+    assert results[1] == ["captured", captured + [(16, None, True)], {}]
 
 
-def test_a_variant_failure_that_loses_a_device_stops_every_rank_at_that_bucket(tmp_path):
-    results = _run(2, _variant_capture_script, tmp_path, 1, True)
+@pytest.mark.parametrize("variant", ["fresh", None])
+def test_a_capture_failure_that_loses_a_device_stops_every_rank_before_any_retry(tmp_path, variant):
+    # bucket 16 and its variant are captured without a warm-up: a retry would run the warm-up's collectives
+    results = _run(2, _variant_capture_script, tmp_path, {1: RuntimeError("injected")}, (16, variant), True,
+                   "first_bucket")
     assert results[0][0] == "eager" and results[1][0] == "BcgCaptureError: device lost"
-    for _, log, _ in results:  # nobody went on to warm up bucket 16
-        assert [entry for entry in log if entry[0] == 16] == []
+    for _, log, _ in results:
+        assert (16, variant, False) in log and (16, variant, True) not in log
+
+
+def test_a_variant_out_of_memory_on_one_rank_and_failing_otherwise_on_the_other_fails_the_boot_on_both(tmp_path):
+    errors = {0: torch.OutOfMemoryError("injected"), 1: RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")}
+    results = _run(2, _variant_capture_script, tmp_path, errors, (32, "fresh"), False, "every_bucket")
+    assert results[0][0].startswith("BcgCaptureOOM: out of memory on this rank")
+    assert results[1][0].startswith("BcgCaptureOOM: out of memory on another rank")
 
 
 @pytest.mark.parametrize(

@@ -278,6 +278,43 @@ def test_the_segment_stores_the_kv_cache_at_the_buckets_slots_and_the_break_only
     assert not cache[1:40].any() and not cache[45:].any()  # nothing else but the padding slot 0
 
 
+def test_the_segment_writes_the_cache_fa3s_own_store_writes():
+    """fa3's own ``forward_extend``, stopped right after its store, and bcg's store in the segment
+    leave the same keys and values at the request rows' slots (the segment also writes the padded
+    rows to SGLang's padding slot 0, which fa3 never reads)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    class Stored(Exception):
+        pass
+
+    theirs, q, k, v = _capture("fa3")[1:]
+    backend = object.__new__(sglang_fa3.backend_class())
+    backend.__dict__.update(token_to_kv_pool=theirs, fa_skip_kv_cache=False, use_mla=False, kv_cache_is_mxfp8=False,
+                            attn_cp_size=1, use_sliding_window_kv_pool=False,
+                            forward_metadata=types.SimpleNamespace(swa_out_cache_loc=None))
+    store = theirs.set_kv_buffer
+
+    def store_then_stop(*args, **kwargs):
+        store(*args, **kwargs)
+        raise Stored
+
+    theirs.set_kv_buffer = store_then_stop
+    layer = types.SimpleNamespace(layer_id=0, k_scale=None, v_scale=None, is_cross_attention=False)
+    real = 5  # bcg's break hands fa3 the request rows only, and their slots
+    fb = types.SimpleNamespace(out_cache_loc=torch.arange(40, 40 + real), out_cache_loc_is_physical=False,
+                               forward_mode=ForwardMode.EXTEND, attn_cp_metadata=None)
+    with pytest.raises(Stored):
+        backend.forward_extend(q[:real], k[:real], v[:real], layer, fb, save_kv_cache=True)
+
+    batch, ours, *_ = _capture("fa3", real=real)
+    with live.bound(batch):
+        attention.captured_then_break(q, k, v, torch.zeros(16, WIDTH), True, 0)
+    assert batch.payload.stored_in_graph == {0}
+    assert theirs.k_buffer[0][40:45].any()
+    for mine, fa3s in ((ours.k_buffer[0], theirs.k_buffer[0]), (ours.v_buffer[0], theirs.v_buffer[0])):
+        assert torch.equal(mine[1:], fa3s[1:])
+
+
 @pytest.mark.parametrize("backend_name", ["triton", "flashinfer", "fa3"])
 @pytest.mark.parametrize("change", [
     {"layer.k_scale": 1.0},  # scaled KV: the backend clones and scales before its store

@@ -532,7 +532,9 @@ def test_fa3_keeps_attention_inside_where_its_own_full_graphs_do():
     ({"skip_prefill": True}, "without prefill"),
     ({"has_swa": True}, "sliding-window"),
     ({"use_sliding_window_kv_pool": True}, "sliding-window"),
-    ({"local_attn_builder": object()}, "chunked local attention"),
+    ({"local_attn_builder": object()}, "chunked local attention"),  # SGLang 0.5.23's name
+    ({"has_local_attention": True}, "chunked local attention"),  # 0.5.17's
+    ({"kv_cache_dtype_str": "fp8_e5m2"}, "fp8_e5m2 KV cache"),
     ({"is_encoder_decoder": True}, "cross attention"),
     ({"attn_cp_size": 2}, "context-parallel"),
     ({"_kv_shard_pool": object()}, "sharded"),
@@ -542,6 +544,22 @@ def test_fa3_keeps_attention_inside_where_its_own_full_graphs_do():
 ])
 def test_each_fa3_runner_that_plans_per_forward_is_declined_by_name(attrs, named):
     assert named in ga.decline_reason(fa3_runner(**attrs), None)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "bfloat16", "auto"])
+def test_fa3_keeps_attention_inside_with_an_unquantized_kv_cache_named_explicitly(dtype):
+    assert ga.decline_reason(fa3_runner(kv_cache_dtype_str=dtype), None) is None
+
+
+def test_fa3_request_slots_keep_the_graph_block_table_within_its_budget():
+    # 64 slots of a 16K-token context fit; a 1M-token context's block table would take 256 MiB at 64
+    assert ga.request_slots(model_runner(fa3_backend(context_len=16384), pool_rows=256, context_len=16384),
+                            chunk=8192, top=8192) == 64
+    huge = model_runner(fa3_backend(pool_rows=2, context_len=1), pool_rows=256, context_len=1 << 20)
+    huge.attn_backend.max_num_pages = 1 << 20
+    assert ga.request_slots(huge, chunk=8192, top=8192) == ga.FA3_BLOCK_TABLE_BYTES // (4 << 20) == 16
+    flashinfer = model_runner(pool_rows=256, context_len=1 << 20)  # flashinfer's workspace is sized otherwise
+    assert ga.request_slots(flashinfer, chunk=8192, top=8192) == 64
 
 
 def test_fa3_is_declined_under_dp_attention_and_for_embedding_models():
@@ -581,6 +599,8 @@ def test_fa3_capture_makes_sglangs_metadata_for_the_request_slots_and_replays_re
     assert host.bcg_graph_attention([16, 32], "graph") == [16, 32]
     for bucket in (32, 16):
         host.bcg_dummy_batch(bucket, graph_attention=True, variant=None)
+        # the query bound each bucket's kernels are captured with: its own token count
+        assert backend.full_cg_prefill_metadata.max_seq_len_q == bucket
     meta = backend.full_cg_prefill_metadata
     assert meta is not None and meta.cache_seqlens_int32.shape == (4,) and meta.page_table.shape == (4, 64)
     addresses = [t.data_ptr() for t in (meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.page_table)]

@@ -48,6 +48,12 @@ GRAPH_BACKENDS = {
     ("sglang.srt.layers.attention.flashinfer_backend", "FlashInferAttnBackend"): FLASHINFER,
     ("sglang.srt.layers.attention.flashattention_backend", "FlashAttentionBackend"): FA3,
 }
+# SGLang's names for the KV-cache dtypes fa3 reads unquantized.
+FA3_UNQUANTIZED_KV = ("auto", "bf16", "bfloat16", "fp16", "float16")
+# The most device memory fa3's graph block table (r rows of context_len / page_size int32 pages) may
+# take: SGLang allocates it at the first capture, after it has sized the KV cache, so a long context
+# lowers r instead. 64 MiB hold 64 request slots at a 256K-token context.
+FA3_BLOCK_TABLE_BYTES = 64 << 20
 # The fewest request slots a graph bucket plans for. SGLang's own rule (chunked-prefill size / 512)
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
@@ -109,13 +115,13 @@ def _fa3_reason(backend: Any) -> str | None:
         return "a backend without prefill"
     if getattr(backend, "use_sliding_window_kv_pool", False) or getattr(backend, "has_swa", False):
         return "sliding-window attention (its window's block table and write slots are planned per forward)"
-    if getattr(backend, "local_attn_builder", None) is not None:
+    if getattr(backend, "has_local_attention", False) or getattr(backend, "local_attn_builder", None) is not None:
         return "chunked local attention (its blocks are planned per forward)"
     if getattr(backend, "is_encoder_decoder", False):
         return "cross attention"
     if getattr(backend, "_kv_shard_pool", None) is not None or getattr(backend, "attn_cp_size", 1) > 1:
         return "a sharded or context-parallel KV cache (gathered per forward)"
-    if getattr(backend, "kv_cache_dtype_str", "auto") != "auto":
+    if str(getattr(backend, "kv_cache_dtype_str", "auto")).lower() not in FA3_UNQUANTIZED_KV:
         return f"a {backend.kv_cache_dtype_str} KV cache (fa3 inside bcg's graph reads an unquantized one only)"
     if getattr(backend, "full_cg_prefill_metadata", None) is not None:
         return "the backend's full prefill metadata was made by another runner"
@@ -173,14 +179,17 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     SGLang's ``full_prefill_max_req`` where the operator set it, else its rule (chunk / 512) raised
     to :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows and ``top`` (a step holds no more
     requests than tokens, and flashinfer sizes its graph workspace for at most one request per
-    row), and at least the requests the ``top`` bucket's capture batch needs at ``context_len``
-    tokens each.
+    row), on fa3 at most what :data:`FA3_BLOCK_TABLE_BYTES` holds, and at least the requests the
+    ``top`` bucket's capture batch needs at ``context_len`` tokens each.
     """
     from bcg_plugin.adapters.sglang.replay import prefill_graph_config
 
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
     r = int(configured) if configured else chunk_request_slots(chunk)
     r = min(r, int(model_runner.req_to_token_pool.size), top)
+    pages = getattr(model_runner.attn_backend, "max_num_pages", None)
+    if backend_kind(model_runner.attn_backend) == FA3 and pages:
+        r = min(r, max(1, FA3_BLOCK_TABLE_BYTES // (4 * int(pages))))
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
 
 
