@@ -53,7 +53,7 @@ class BcgConfig:
             metadata; vLLM 0.28 and later: the V2 runner with FLASH_ATTN (FA3) or TRITON_ATTN, a
             ``cudagraph_mode`` with FULL graphs, no data parallelism; FA3's graph bound is raised
             from ``max_cudagraph_capture_size`` to the top bucket; SGLang: the flashinfer or fa3 backend
-            without DP attention, sliding-window or cross attention; fa3's not yet run on a GPU,
+            without DP attention, sliding-window or cross attention; fa3 not yet run on a GPU,
             docs/validation.md), so a batch replays one graph
             with no eager step; elsewhere every bucket breaks. ``"break"``: an eager call between
             graph segments in every bucket, sized for the live batch. ``"auto"``: the host's
