@@ -644,3 +644,51 @@ def test_fa3_release_drops_the_metadata_so_a_later_capture_makes_it_again():
     host.graph.choose([16], "graph")
     host.bcg_dummy_batch(16, graph_attention=True, variant=None)
     assert backend.full_cg_prefill_metadata is not None and backend.full_cg_prefill_metadata is not first
+
+
+def test_fa3_replays_plan_what_sglangs_own_full_graphs_plan():
+    """SGLang's own full-graph replay (``PrefillCudaGraphRunner._prepare_forward_metadata_for_replay``,
+    its request buffers filled as its ``load_batch`` fills them) and bcg's, each on a real fa3
+    backend captured with the same batch, leave the same metadata for the kernels to read."""
+    import inspect
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    runner = fa3_runner()
+    host = fa3_host(runner)
+    host.bcg_graph_attention([16], "graph")
+    r = host.graph.request_slots
+    capture = host.bcg_dummy_batch(16, graph_attention=True, variant=None).payload.forward_batch
+    sglangs = fa3_backend()
+    sglangs.init_forward_metadata_out_graph(capture, in_capture=True)
+    sglangs.resolve_prefill_shared_read_ends = lambda *args, **kwargs: None
+
+    for seq_lens, prefix_lens, rows in (([9, 7, 5], [2, 0, 1], [3, 5, 6]), ([12], [4], [2])):
+        fb = extend(seq_lens, prefix_lens, rows)
+        fb.req_pool_indices_cpu = fb.req_pool_indices.clone()
+        fb._pad_tensor_to_size = types.MethodType(ForwardBatch._pad_tensor_to_size, fb)
+        fb.max_seq_len_override, fb.input_ids = None, torch.zeros(int(fb.extend_seq_lens.sum()), dtype=torch.int64)
+        host.graph.plan_replay(fb)
+
+        bs = fb.batch_size
+        static = {name: torch.zeros(16, dtype=torch.int64) for name in
+                  ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "extend_start_loc", "req_pool_indices",
+                   "orig_seq_lens")}
+        for name in ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "req_pool_indices"):
+            static[name][:bs] = getattr(fb, name)
+        theirs = types.SimpleNamespace(
+            model_runner=types.SimpleNamespace(attn_backend=sglangs), _is_full_backend=True, _capture_req_slots=r,
+            _prefill_static_buffers=static, _full_cg_seq_lens_cpu=torch.zeros(r, dtype=torch.int64),
+            use_captured_attn_metadata=False)
+        static_fb = types.SimpleNamespace(max_seq_len_override=None, input_ids=fb.input_ids)
+        params = list(inspect.signature(PrefillCudaGraphRunner._prepare_forward_metadata_for_replay).parameters)
+        shape = types.SimpleNamespace(size=16)
+        PrefillCudaGraphRunner._prepare_forward_metadata_for_replay(theirs, fb, static_fb, *[shape] * (len(params) - 3))
+
+        ours, expected = runner.attn_backend.full_cg_prefill_metadata, sglangs.full_cg_prefill_metadata
+        for name in ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table", "max_seq_len_q",
+                     "max_seq_len_k"):
+            mine, sglang_value = getattr(ours, name), getattr(expected, name)
+            assert (torch.equal(mine, sglang_value) if isinstance(mine, torch.Tensor) else mine == sglang_value), name
+        assert ours.cache_seqlens_int32[:bs].tolist() == seq_lens  # not two plans that both did nothing
