@@ -220,10 +220,10 @@ class _VariantHost(_InjectedFailure):
         return {16: ["fresh"], 32: ["fresh"]}
 
 
-def _variant_capture_script(rank, errors, fail_at, lost, warmup):
+def _variant_capture_script(rank, errors, fail_at, lost, warmup, direct_only=False):
     """The real capture loop with variants: the capture of ``fail_at`` (bucket, variant) raises
-    ``errors[rank]`` on the ranks named there; ``lost``: those failures leave the device unusable.
-    Returns what happened."""
+    ``errors[rank]`` on the ranks named there (``direct_only``: only without a warm-up); ``lost``:
+    those failures leave the device unusable. Returns what happened."""
     runner = PrefillGraphRunner(plugin_manager(_VariantHost(rank, None)),
                                 BcgConfig(enable=True, sizes=(16, 32, 64), graph_variants=True, warmup=warmup),
                                 chunk_size=64, device="cpu")
@@ -231,7 +231,7 @@ def _variant_capture_script(rank, errors, fail_at, lost, warmup):
 
     def capture_bucket(bucket, stream, *, warm=True, variant=None):
         log.append((bucket, variant, warm))
-        if rank in errors and (bucket, variant) == fail_at:
+        if rank in errors and (bucket, variant) == fail_at and not (direct_only and warm):
             raise errors[rank]
         return _FakeGraph(log, (bucket, variant))
 
@@ -268,6 +268,14 @@ def test_a_capture_failure_that_loses_a_device_stops_every_rank_before_any_retry
     assert results[0][0] == "eager" and results[1][0] == "BcgCaptureError: device lost"
     for _, log, _ in results:
         assert (16, variant, False) in log and (16, variant, True) not in log
+
+
+def test_a_variant_failing_without_a_warm_up_on_one_rank_is_retried_after_one_by_every_rank(tmp_path):
+    results = _run(2, _variant_capture_script, tmp_path, {1: RuntimeError("lazy init")}, (16, "fresh"), False,
+                   "first_bucket", True)
+    for outcome, log, variants in results:
+        assert outcome == "captured" and variants == {"16": ["fresh"], "32": ["fresh"]}
+        assert [entry for entry in log if entry[:2] == (16, "fresh")] == [(16, "fresh", False), (16, "fresh", True)]
 
 
 def test_a_variant_out_of_memory_on_one_rank_and_failing_otherwise_on_the_other_fails_the_boot_on_both(tmp_path):
