@@ -377,22 +377,18 @@ def test_doctor_names_where_attention_runs_for_each_choice():
 # -- parity with SGLang's own full prefill graphs ------------------------------------------------
 
 
-def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
-    """SGLang's own replay (``PrefillCudaGraphRunner._prepare_forward_metadata_for_replay`` under its
-    full backend, its request buffers filled as its ``load_batch`` fills them) and bcg's
-    :meth:`RequestSlots.padded_view` hand the plan the same batch, field by field."""
+def sglangs_full_replay(fb, backend, r):
+    """SGLang's own replay of ``fb`` (``PrefillCudaGraphRunner._prepare_forward_metadata_for_replay``
+    under its full backend, its request buffers filled as its ``load_batch`` fills them) with
+    ``r`` request slots, planned by ``backend``."""
     import inspect
 
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
-    r, fb = 8, batch([9, 7, 5], [2, 0, 1])
     fb.req_pool_indices_cpu = fb.req_pool_indices.clone()
     fb._pad_tensor_to_size = types.MethodType(ForwardBatch._pad_tensor_to_size, fb)
-    fb.max_seq_len_override, fb.input_ids = None, torch.zeros(21, dtype=torch.int64)
-    planned = []
-    backend = types.SimpleNamespace(init_forward_metadata_out_graph=planned.append,
-                                    resolve_prefill_shared_read_ends=lambda *a, **k: None)
+    fb.max_seq_len_override, fb.input_ids = None, torch.zeros(int(fb.extend_seq_lens.sum()), dtype=torch.int64)
     bs = fb.batch_size
     static = {name: torch.zeros(16, dtype=torch.int64) for name in
               ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "extend_start_loc", "req_pool_indices",
@@ -407,6 +403,16 @@ def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
     params = list(inspect.signature(PrefillCudaGraphRunner._prepare_forward_metadata_for_replay).parameters)
     shape = types.SimpleNamespace(size=16)  # 0.5.23 passes a shape key, earlier releases the token count
     PrefillCudaGraphRunner._prepare_forward_metadata_for_replay(theirs, fb, static_fb, *[shape] * (len(params) - 3))
+
+
+def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
+    """SGLang's own full-graph replay (:func:`sglangs_full_replay`) and bcg's
+    :meth:`RequestSlots.padded_view` hand the plan the same batch, field by field."""
+    r, fb = 8, batch([9, 7, 5], [2, 0, 1])
+    planned = []
+    backend = types.SimpleNamespace(init_forward_metadata_out_graph=planned.append,
+                                    resolve_prefill_shared_read_ends=lambda *a, **k: None)
+    sglangs_full_replay(fb, backend, r)
     [sglang_view] = planned
     ours = ga.RequestSlots(r, "cpu").padded_view(fb)
     assert ours.batch_size == sglang_view.batch_size == r
@@ -647,14 +653,8 @@ def test_fa3_release_drops_the_metadata_so_a_later_capture_makes_it_again():
 
 
 def test_fa3_replays_plan_what_sglangs_own_full_graphs_plan():
-    """SGLang's own full-graph replay (``PrefillCudaGraphRunner._prepare_forward_metadata_for_replay``,
-    its request buffers filled as its ``load_batch`` fills them) and bcg's, each on a real fa3
+    """SGLang's own full-graph replay (:func:`sglangs_full_replay`) and bcg's, each on a real fa3
     backend captured with the same batch, leave the same metadata for the kernels to read."""
-    import inspect
-
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-
     runner = fa3_runner()
     host = fa3_host(runner)
     host.bcg_graph_attention([16], "graph")
@@ -666,29 +666,11 @@ def test_fa3_replays_plan_what_sglangs_own_full_graphs_plan():
 
     for seq_lens, prefix_lens, rows in (([9, 7, 5], [2, 0, 1], [3, 5, 6]), ([12], [4], [2])):
         fb = extend(seq_lens, prefix_lens, rows)
-        fb.req_pool_indices_cpu = fb.req_pool_indices.clone()
-        fb._pad_tensor_to_size = types.MethodType(ForwardBatch._pad_tensor_to_size, fb)
-        fb.max_seq_len_override, fb.input_ids = None, torch.zeros(int(fb.extend_seq_lens.sum()), dtype=torch.int64)
         host.graph.plan_replay(fb)
-
-        bs = fb.batch_size
-        static = {name: torch.zeros(16, dtype=torch.int64) for name in
-                  ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "extend_start_loc", "req_pool_indices",
-                   "orig_seq_lens")}
-        for name in ("seq_lens", "extend_seq_lens", "extend_prefix_lens", "req_pool_indices"):
-            static[name][:bs] = getattr(fb, name)
-        theirs = types.SimpleNamespace(
-            model_runner=types.SimpleNamespace(attn_backend=sglangs), _is_full_backend=True, _capture_req_slots=r,
-            _prefill_static_buffers=static, _full_cg_seq_lens_cpu=torch.zeros(r, dtype=torch.int64),
-            use_captured_attn_metadata=False)
-        static_fb = types.SimpleNamespace(max_seq_len_override=None, input_ids=fb.input_ids)
-        params = list(inspect.signature(PrefillCudaGraphRunner._prepare_forward_metadata_for_replay).parameters)
-        shape = types.SimpleNamespace(size=16)
-        PrefillCudaGraphRunner._prepare_forward_metadata_for_replay(theirs, fb, static_fb, *[shape] * (len(params) - 3))
-
+        sglangs_full_replay(fb, sglangs, r)
         ours, expected = runner.attn_backend.full_cg_prefill_metadata, sglangs.full_cg_prefill_metadata
         for name in ("cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table", "max_seq_len_q",
                      "max_seq_len_k"):
             mine, sglang_value = getattr(ours, name), getattr(expected, name)
             assert (torch.equal(mine, sglang_value) if isinstance(mine, torch.Tensor) else mine == sglang_value), name
-        assert ours.cache_seqlens_int32[:bs].tolist() == seq_lens  # not two plans that both did nothing
+        assert ours.cache_seqlens_int32[:len(seq_lens)].tolist() == seq_lens  # not two plans that both did nothing
