@@ -594,6 +594,7 @@ def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[
     inside = [b for b in buckets if b in graph_attention]
     broken = [b for b in buckets if b not in graph_attention]
     summary = f"attention inside the graph: {sizes(inside)}; eager break: {sizes(broken)}"
-    for name in sorted({n for names in (variants or {}).values() for n in names}):
-        summary += f"; also as {name!r}: {sizes([b for b in buckets if name in (variants or {}).get(b, ())])}"
+    variants = variants or {}
+    for name in sorted({n for names in variants.values() for n in names}):
+        summary += f"; also as {name!r}: {sizes([b for b in buckets if name in variants.get(b, ())])}"
     return summary
