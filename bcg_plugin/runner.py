@@ -419,14 +419,18 @@ class PrefillGraphRunner:
         """Capture one bucket (or its ``variant``), then agree on the outcome with every rank before the next one.
 
         A warm-up runs the body's collectives eagerly, so no rank may start one that another rank
-        (stopped by a failure) will never join: every rank stops at the same bucket. A capture that
+        (stopped by a failure) will never join: the ranks agree on the dummy batch (whose attention
+        plan may allocate) before any warm-up, and every rank stops at the same bucket. A capture that
         failed on any rank, not for want of memory, is retried by every rank after a warm-up where
         it had none, and a variant's is given up (``None``), once the ranks have agreed that every
         device still runs work: after a sticky CUDA error a rank cannot join the warm-up's
         collectives or the next bucket's. Every branch follows the statuses the ranks agreed on, so
         every rank makes the same collective calls.
         """
-        graph, world, error = _agreed(lambda: self._capture_bucket(bucket, stream, warm=warm, variant=variant), group)
+        batch, world, error = _agreed(lambda: self._stage_bucket(bucket, variant), group)
+        graph = None
+        if world is CaptureStatus.OK:
+            graph, world, error = _agreed(lambda: self._capture_bucket(bucket, batch, stream, warm=warm), group)
         if world is CaptureStatus.OK:
             return graph
         if graph is not None:
@@ -448,13 +452,18 @@ class PrefillGraphRunner:
             raise error
         raise _PeerCaptureFailure(world)
 
-    def _capture_bucket(self, bucket: int, stream: torch.cuda.Stream, *, warm: bool = True,
-                        variant: str | None = None) -> SegmentedGraph:
-        inline = bucket in self.graph_attention
-        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=inline, variant=variant)
+    def _stage_bucket(self, bucket: int, variant: str | None = None) -> HostBatch:
+        """The host's dummy batch for ``bucket`` (or its ``variant``), landed in the static inputs."""
+        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=bucket in self.graph_attention,
+                                                      variant=variant)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
         self._land(batch, bucket)
+        return batch
+
+    def _capture_bucket(self, bucket: int, batch: HostBatch, stream: torch.cuda.Stream, *,
+                        warm: bool = True) -> SegmentedGraph:
+        inline = bucket in self.graph_attention
         views = {name: buf[:bucket] for name, buf in self._static.items()}
         forward = self._hook.bcg_body_forward
         with live.bound(live.LiveBatch(bucket, bucket, batch.payload)):

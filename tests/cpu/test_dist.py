@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from fake_pool import FakePool
+from capture_fakes import FakePool, script_captures
 
 from bcg_plugin import BcgConfig, Fallback, PrefillGraphRunner, hookimpl, plugin_manager
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
@@ -150,8 +150,9 @@ def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
     """Run the real capture loop (setup vote, per-bucket votes) with a scripted setup and
     ``_capture_bucket``; return what happened.
 
-    ``fail_when``: ``"always"``, ``"direct"`` (only a capture without a warm-up fails) or
-    ``"setup"`` (the failing rank's setup raises before any bucket).
+    ``fail_when``: ``"always"``, ``"direct"`` (only a capture without a warm-up fails), ``"stage"``
+    (the bucket's dummy batch fails, before its warm-up) or ``"setup"`` (the failing rank's setup
+    raises before any bucket).
     """
     runner = PrefillGraphRunner(plugin_manager(_InjectedFailure(rank, failing_rank)),
                                 BcgConfig(enable=True, sizes=(16, 32, 64), **config), chunk_size=64, device="cpu")
@@ -169,7 +170,14 @@ def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
         runner._pool = FakePool()
         return None
 
-    runner._capture_bucket, runner._prepare_capture = capture_bucket, prepare_capture
+    def stage_bucket(bucket, variant=None):
+        if rank == failing_rank and bucket == fail_bucket and fail_when == "stage":
+            raise error
+        return variant
+
+    runner._prepare_capture = prepare_capture
+    script_captures(runner, capture_bucket)
+    runner._stage_bucket = stage_bucket
     try:
         runner.capture(progress=False)
         outcome = "captured" if runner.captured else "eager"
@@ -184,6 +192,17 @@ def test_failure_on_one_rank_stops_every_rank_at_that_bucket(tmp_path):
     expected_log = [(64, True), (32, True), ("released", 32), ("released", 64)]
     assert results[0] == ["eager", expected_log]
     assert results[1] == ["eager", [(64, True), (32, True), ("released", 64)]]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("plan failed"), torch.OutOfMemoryError("block table")])
+def test_a_dummy_batch_failing_on_one_rank_stops_every_rank_before_that_buckets_warm_up(tmp_path, error):
+    # Rank 1's dummy batch for bucket 32 (its attention plan allocates) fails: rank 0 must not start
+    # bucket 32's warm-up, whose collectives rank 1 would never join.
+    results = _run(2, _capture_script, tmp_path, 1, 32, "stage", error, {})
+    for outcome, log in results:
+        assert [entry for entry in log if entry[0] != "released"] == [(64, True)]
+    expected = "BcgCaptureOOM" if isinstance(error, torch.OutOfMemoryError) else "eager"
+    assert [outcome.split(":")[0] for outcome, _ in results] == [expected, expected]
 
 
 def test_oom_on_one_rank_names_the_other_rank_everywhere_else(tmp_path):
@@ -243,7 +262,8 @@ def _variant_capture_script(rank, errors, fail_at, lost, warmup, direct_only=Fal
     def device_lost(error, during):
         return BcgCaptureError("device lost") if lost and rank in errors else None
 
-    runner._capture_bucket, runner._prepare_capture, runner._device_lost = capture_bucket, prepare_capture, device_lost
+    runner._prepare_capture, runner._device_lost = prepare_capture, device_lost
+    script_captures(runner, capture_bucket)
     try:
         runner.capture(progress=False)
         outcome = "captured" if runner.captured else "eager"

@@ -238,7 +238,7 @@ def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(
     stream = runner._prepare_capture()
     runner._output = torch.zeros(32, 4)
     for bucket in (32, 16):
-        runner._capture_bucket(bucket, stream, warm=False)
+        runner._capture_bucket(bucket, runner._stage_bucket(bucket), stream, warm=False)
     assert asked == [(32, True), (16, False)]
     assert captured == [(0, 32, True), (0, 16, False)]  # the top bucket scrubs below the next bucket too
 

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from fake_pool import FakePool
+from capture_fakes import FakePool, script_captures
 
 from bcg_plugin import BcgCaptureError, BcgConfig, BcgStateError, PrefillGraphRunner, plugin_manager
 from bcg_plugin import runner as runner_mod
@@ -67,7 +67,7 @@ def _runner(monkeypatch, device, *plugins):
         runner._pool = _DevicePool(device)
 
     runner._prepare_capture = prepare
-    runner._capture_bucket = device.capture
+    script_captures(runner, device.capture)
     return runner
 
 
@@ -183,8 +183,8 @@ def test_estimate_and_capture_share_one_stream_when_the_host_names_none(monkeypa
     monkeypatch.setattr(runner_mod, "GraphPool", FakePool)
     monkeypatch.setattr(runner_mod, "default_capture_stream", lambda _: torch_stream)
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
-    runner._capture_bucket = lambda bucket, stream, warm=True, variant=None: (
-        seen.append(stream), device.capture(bucket, stream))[1]
+    script_captures(runner, lambda bucket, stream, warm=True, variant=None: (
+        seen.append(stream), device.capture(bucket, stream))[1])
     runner.estimate_graph_bytes()
     runner.capture(progress=False)
     assert runner.captured and len(seen) == 2 + len(SIZES)

@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from fake_pool import FakePool
+from capture_fakes import FakePool, script_captures
 
 from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, plugin_manager
 from bcg_plugin.hookspecs import hookimpl
@@ -73,7 +73,8 @@ def _runner(host, log, config=None, fails=None):
             raise fails[1]
         return _Graph(log, (bucket, variant))
 
-    runner._prepare_capture, runner._capture_bucket = prepare, capture_bucket
+    runner._prepare_capture = prepare
+    script_captures(runner, capture_bucket)
     return runner
 
 

@@ -37,7 +37,7 @@ from bcg_plugin.adapters.sglang.replay import _breakable_capture_flag  # noqa: E
 from bcg_plugin.patches import PatchTargetError, descriptors  # noqa: E402
 from bcg_plugin.patches.sglang import breakable_capture_var, radix_attention_breakable, radix_attention_eager  # noqa: E402
 import sglang_fa3  # noqa: E402
-from fake_pool import FakePool  # noqa: E402
+from capture_fakes import FakePool, script_captures  # noqa: E402
 
 # SGLang 0.5.23 replaced the module-level breakable attention ops with RadixAttention's eager method.
 EAGER_METHOD = not hasattr(radix_attention, "breakable_unified_attention_with_output")
@@ -523,7 +523,7 @@ def _runner_whose_body_reaches(op, capture_failure="eager"):
         op(torch.zeros(bucket))
         return types.SimpleNamespace(release=lambda: None)
 
-    runner._capture_bucket = capture_bucket
+    script_captures(runner, capture_bucket)
     return runner
 
 
