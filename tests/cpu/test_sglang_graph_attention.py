@@ -287,6 +287,18 @@ def test_the_fresh_variant_needs_flashinfer_072_and_a_ragged_kernel_whose_plan_c
     assert (graph.ragged is None) == bool(why) and (why is None or why in caplog.text)
 
 
+def test_releasing_the_variants_gives_back_the_ragged_wrapper_and_keeps_the_buckets_plan(monkeypatch):
+    runner = fresh_runner(monkeypatch)
+    graph = ga.GraphAttention(runner, None, 8192, "cpu")
+    graph.choose([16, 64], "graph")
+    graph.variants([16, 64])
+    wrappers = runner.attn_backend.full_cg_prefill_wrappers
+    graph.release_variants()
+    assert graph.ragged is None
+    assert runner.attn_backend.full_cg_prefill_wrappers is wrappers and graph.request_slots > 0
+    assert graph.fits(batch([9, 7], [0, 0]))
+
+
 def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(monkeypatch):
     runner = fresh_runner(monkeypatch)
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
@@ -424,10 +436,10 @@ def test_the_padded_view_is_the_one_sglangs_full_graphs_plan_from():
     assert ours.seq_lens_sum == sglang_view.seq_lens_sum and ours.forward_mode is sglang_view.forward_mode
 
 
-def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), graph=(), layers=28):
-    """bcg's SGLang runner around a core whose capture succeeds or not and stores the KV cache of
-    ``stored`` layers in the segment; returns the host, its ``released`` list counting the releases of
-    graph attention."""
+def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), graph=(), layers=28, variants=None):
+    """bcg's SGLang runner around a core whose capture succeeds or not, stores the KV cache of
+    ``stored`` layers in the segment and keeps ``variants``; returns the host, its ``released`` list
+    naming the releases of graph attention (``"all"``) and of its variants (``"variants"``)."""
     import contextlib
 
     import sglang.srt.distributed.parallel_state as parallel_state
@@ -435,11 +447,13 @@ def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), 
     from bcg_plugin.adapters.sglang import replay
 
     host = types.SimpleNamespace(stored_in_graph={99}, released=[])  # a layer left from an earlier capture
-    host.graph = types.SimpleNamespace(release=lambda: host.released.append(True))
+    host.graph = types.SimpleNamespace(release=lambda: host.released.append("all"),
+                                       release_variants=lambda: host.released.append("variants"))
 
     class Core:
         def __init__(self, *args, **kwargs):
             self.captured, self.buckets, self.stats, self.graph_attention = False, [16, 32], None, frozenset(graph)
+            self.graph_variants = dict(variants or {})
 
         def capture(self, progress):
             host.stored_in_graph.update(stored)
@@ -461,8 +475,13 @@ def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), 
 
 @pytest.mark.parametrize("captured", [False, True])
 def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(monkeypatch, captured):
-    released = _capture_runner(monkeypatch, captured=captured).released
-    assert released == ([] if captured else [True])
+    released = _capture_runner(monkeypatch, captured=captured, variants={16: ["fresh"]}).released
+    assert released == ([] if captured else ["all"])
+
+
+def test_the_runner_gives_the_variants_wrapper_back_where_the_core_kept_no_variant(monkeypatch):
+    assert _capture_runner(monkeypatch, graph=[16], variants={}).released == ["variants"]
+    assert _capture_runner(monkeypatch, graph=[16], variants={16: ["fresh"]}).released == []
 
 
 @pytest.mark.parametrize("stored, graph, says", [

@@ -343,6 +343,11 @@ class GraphAttention:
             backend=backend.prefill_wrapper_ragged._requested_backend,
         )
 
+    def release_variants(self) -> None:
+        """Give back the :data:`FRESH` variant's wrapper, where the core captured no variant (they
+        failed to capture and every rank dropped them): no step will plan into it."""
+        self.ragged = None
+
     def release(self) -> None:
         """Give back the wrappers (flashinfer) or metadata buffers (fa3), the workspace and the request
         slots made for graph buckets: after a failed capture the runner serves eagerly, and they
