@@ -237,11 +237,49 @@ def test_decode_context_parallelism_is_read_where_the_release_keeps_it(monkeypat
     import sglang.srt.model_executor.cuda_graph_config as graph_config
 
     monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
-    runner = types.SimpleNamespace(
-        server_args=types.SimpleNamespace(enable_lora=False), is_draft_worker=False,
-        spec_algorithm=types.SimpleNamespace(is_none=lambda: True), pp_group=types.SimpleNamespace(world_size=1),
-        model_config=types.SimpleNamespace(is_multimodal=False))
-    assert eligibility.runner_reason(runner) == "decode context parallelism"
+    assert eligibility.runner_reason(_eligible_runner()) == "decode context parallelism"
+
+
+def _eligible_runner(**server_args):
+    """A runner that passes every check of ``runner_reason`` before decode context parallelism."""
+    return types.SimpleNamespace(
+        server_args=types.SimpleNamespace(enable_lora=False, enable_memory_saver=False, **server_args),
+        is_draft_worker=False, spec_algorithm=types.SimpleNamespace(is_none=lambda: True),
+        pp_group=types.SimpleNamespace(world_size=1), model_config=types.SimpleNamespace(is_multimodal=False))
+
+
+@pytest.mark.parametrize("saver, graphs_env, declined", [
+    (True, "1", True), (True, "true", True),
+    (True, None, False),  # SGLang releases no graph memory: bcg's graphs stay resident, as SGLang's own do
+    (False, "1", False),
+])
+@pytest.mark.parametrize("published", [False, True])
+def test_a_memory_saver_that_releases_graph_memory_keeps_bcg_off(monkeypatch, saver, graphs_env, declined, published):
+    """SGLang's memory saver pauses graph memory only in its own regions: bcg's graphs would stay resident."""
+    from sglang.srt import runtime_context
+
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
+    monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
+    if graphs_env is None:
+        monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", graphs_env)
+    if published:  # 0.5.19 on: the resolved value is in get_exec().features, the record keeps the input
+        bag = types.SimpleNamespace(features=types.SimpleNamespace(enable_memory_saver=saver))
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: bag, raising=False)
+        runner = _eligible_runner()
+    else:
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)
+        runner = _eligible_runner()
+        runner.server_args.enable_memory_saver = saver
+    runner.is_generation = False  # the check after: reached only where the memory saver let the runner through
+    reason = eligibility.runner_reason(runner)
+    if declined:
+        assert "memory saver" in reason and "--cuda-graph-backend-prefill full" in reason
+    else:
+        assert reason == "embedding/reward model"
 
 
 def vote_runner(sizes=(16, 32, 64), ratio=None, dp_ranks=None):

@@ -25,6 +25,10 @@ def runner_reason(model_runner: Any) -> str | None:
 
         backend = prefill_graph_config(model_runner).backend
         return f"SGLang resolved the prefill graph backend to {backend!r}; bcg replaces 'breakable' only"
+    if _memory_saver_pauses_graphs(server_args):
+        return ("SGLang's memory saver releases CUDA-graph memory (enable_memory_saver with "
+                "SGLANG_MEMORY_SAVER_CUDA_GRAPH) and bcg's graphs are not in its regions; run prefill graphs with "
+                "--cuda-graph-backend-prefill full, or unset SGLANG_MEMORY_SAVER_CUDA_GRAPH")
     if model_runner.is_draft_worker:
         return "speculative draft worker"
     if not model_runner.spec_algorithm.is_none():
@@ -64,6 +68,19 @@ def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
     if params[:3] != ["input_ids", "positions", "forward_batch"]:
         return f"{type(layer_model).__name__}.forward{tuple(params)} is not (input_ids, positions, forward_batch, ...)"
     return None
+
+
+def _memory_saver_pauses_graphs(server_args: Any) -> bool:
+    """Whether SGLang's memory saver releases CUDA-graph memory (``release_memory_occupation`` with
+    the ``cuda_graph`` tag), as SGLang's own graph backends read it. bcg's graphs live in its own
+    pool, outside the saver's regions, so such a release would leave them resident; SGLang's own
+    breakable runner refuses that setting too."""
+    from sglang.srt.utils import get_bool_env_var
+
+    from bcg_plugin.adapters.sglang.replay import published
+
+    return bool(published("exec", "enable_memory_saver", server_args, section="features")) and \
+        get_bool_env_var("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
 
 
 def _dcp_size(model_runner: Any) -> int:

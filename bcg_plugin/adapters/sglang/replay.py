@@ -301,14 +301,15 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     return ladder_top(ceiling, int(pool.size), context_len)
 
 
-def published(group: str, name: str, server_args: Any) -> Any:
+def published(group: str, name: str, server_args: Any, section: str = "graph") -> Any:
     """A resolved setting as SGLang publishes it (0.5.19 on: ``get_exec()``/``get_schedule()``; the
-    ``ServerArgs`` record then keeps the operator's input), else as ``server_args`` holds it."""
+    ``ServerArgs`` record then keeps the operator's input), else as ``server_args`` holds it.
+    ``section``: the part of ``get_exec()`` that holds it."""
     from sglang.srt import runtime_context
 
     try:
         bag = getattr(runtime_context, f"get_{group}")()
-        value = getattr(bag.graph, name) if group == "exec" else getattr(bag, name)
+        value = getattr(getattr(bag, section), name) if group == "exec" else getattr(bag, name)
     except Exception:  # not published (0.5.17/0.5.18, a unit test, early start-up)
         value = None
     return getattr(server_args, name) if value is None else value
