@@ -157,6 +157,19 @@ def test_sglang_names_misspelled_variables_and_json_it_cannot_be_given():
     assert rc == 0 and "up to the engine's chunk size" in sglang
 
 
+@pytest.mark.sglang
+@pytest.mark.parametrize("value, noted", [("1", True), ("true", True), ("0", False), (None, False)])
+def test_sglang_notes_that_a_memory_saver_releasing_graph_memory_keeps_bcg_off(monkeypatch, value, noted):
+    pytest.importorskip("sglang")
+    if value is None:
+        monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", value)
+    _, text = _run_env({"BCG_ENABLE": "1"}, engines=["sglang"])
+    assert ("with --enable-memory-saver SGLang releases CUDA-graph memory and bcg stays off"
+            in _section(text, "sglang")) == noted
+
+
 @pytest.mark.parametrize("engine, module, function", [
     pytest.param("vllm", "bcg_plugin.adapters.vllm.doctor", "validate", marks=pytest.mark.vllm),
     pytest.param("sglang", "bcg_plugin.adapters.sglang.config", "read_config", marks=pytest.mark.sglang),

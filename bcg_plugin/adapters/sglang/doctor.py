@@ -3,6 +3,7 @@ the configuration as engine start reads it (the ``BCG_*`` environment only)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,22 @@ def diagnose() -> AdapterReport:
     if problem is not None:
         report.problems.append(problem)
     report.verify_targets(_patch_set(runtime=True), calls())
+    note = memory_saver_note(os.environ)
+    if note is not None:
+        report.notes.append(note)
     return report
+
+
+def memory_saver_note(environ: Mapping[str, str]) -> str | None:
+    """What SGLang's memory saver, set to release graph memory, does to bcg (see
+    :func:`~bcg_plugin.adapters.sglang.eligibility.runner_reason`)."""
+    from bcg_plugin.adapters.sglang.eligibility import MEMORY_SAVER_GRAPHS_ENV
+
+    if environ.get(MEMORY_SAVER_GRAPHS_ENV, "").lower() not in ("1", "true"):
+        return None
+    return (f"{MEMORY_SAVER_GRAPHS_ENV} is set: with --enable-memory-saver SGLang releases CUDA-graph memory and "
+            "bcg stays off (its graphs are outside the saver's regions); SGLang's 'full' prefill graphs serve that "
+            "setting")
 
 
 def attention_scope(config: BcgConfig) -> str:

@@ -14,6 +14,9 @@ from typing import Any
 # init_forward_metadata (which bcg calls on the live batch before every replay).
 SUPPORTED_ATTENTION_BACKENDS = ("TritonAttnBackend", "FlashInferAttnBackend", "FlashAttentionBackend")
 
+# SGLang's switch that puts its graphs' memory in the memory saver's regions.
+MEMORY_SAVER_GRAPHS_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
+
 
 def runner_reason(model_runner: Any) -> str | None:
     """Why bcg must not serve this runner (checked before SGLang's gates run), or ``None``."""
@@ -80,7 +83,7 @@ def _memory_saver_pauses_graphs(server_args: Any) -> bool:
     from bcg_plugin.adapters.sglang.replay import published
 
     return bool(published("exec", "enable_memory_saver", server_args, section="features")) and \
-        get_bool_env_var("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
+        get_bool_env_var(MEMORY_SAVER_GRAPHS_ENV)
 
 
 def _dcp_size(model_runner: Any) -> int:
