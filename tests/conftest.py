@@ -232,6 +232,16 @@ def vllm_plugin_off():
     core.handlers[:], core.propagate, core.level = saved
 
 
+@pytest.fixture
+def vllm_graph_platform(monkeypatch):
+    """vLLM's CPU platform made to keep its CUDA graph mode, as a CUDA host does: it otherwise turns
+    every graph off at the end of the config's start, which bcg reads as vLLM turning graphs off for
+    something that cannot be captured."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
+
+
 @pytest.fixture(scope="module")
 def vllm_model_config():
     """vLLM's ``ModelConfig`` for the small test model (no tokenizer); shared by a module's tests."""

@@ -19,7 +19,7 @@ from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Wra
 from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER  # noqa: E402
 from bcg_plugin import BcgCaptureError, LiveBatch, live  # noqa: E402
 
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_plugin_off")]
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_plugin_off", "vllm_graph_platform")]
 
 
 def make_config(vllm_model_config, **kwargs):
@@ -913,6 +913,27 @@ def test_dp_expert_parallel_is_served_with_capturable_all2all():
 
     assert unsupported_reason(cfg("allgather_reducescatter")) is None
     assert "DeepEP high-throughput" in unsupported_reason(cfg("deepep_high_throughput"))
+
+
+@pytest.mark.parametrize("parallel, offload, reason", [
+    ({"enable_elastic_ep": True}, None, "elastic expert parallelism"),
+    ({"ubatch_size": 2}, None, "micro-batching (ubatch_size > 1)"),
+    ({"ubatch_size": 1}, None, None),
+    ({}, {"offload_backend": "auto", "group": 2}, "prefetch weight offloading"),
+    ({}, {"offload_backend": "uva", "group": 2}, None),  # vLLM ignores the prefetch fields under UVA
+    ({}, {"offload_backend": "auto", "group": 0}, None),
+])
+def test_features_that_recapture_or_span_forwards_are_declined(parallel, offload, reason):
+    from bcg_plugin.adapters.vllm.config import unsupported_reason
+
+    config = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False),
+                                   parallel_config=types.SimpleNamespace(**parallel))
+    if offload is not None:
+        config.offload_config = types.SimpleNamespace(
+            offload_backend=offload["offload_backend"],
+            prefetch=types.SimpleNamespace(offload_group_size=offload["group"]))
+    got = unsupported_reason(config)
+    assert got is None if reason is None else got.startswith(reason)
 
 
 @pytest.mark.parametrize("fast_prefill", [False, True])

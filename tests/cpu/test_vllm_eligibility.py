@@ -31,10 +31,7 @@ UNSUPPORTED_BACKENDS = ["FLEX_ATTENTION", "FLASHINFER"]
 
 
 @pytest.fixture(autouse=True)
-def registered(monkeypatch, vllm_plugin_off):
-    from vllm.platforms import current_platform
-
-    monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
+def registered(vllm_plugin_off, vllm_graph_platform):
     plugin.register()
 
 
@@ -221,13 +218,62 @@ def test_a_runner_bcg_cannot_serve_warns_once_with_what_the_engine_runs(vllm_mod
     assert restart in warning and ("and torch.compile back" in warning) == (not torch_compile)
 
 
+def _kv_offloading():
+    from vllm.config import CacheConfig
+
+    return {"cache_config": CacheConfig(kv_offloading_size=1.0)}
+
+
+def _prefetch_offloading():
+    from vllm.config import OffloadConfig
+
+    return {"offload_config": OffloadConfig(prefetch={"offload_group_size": 2})}
+
+
+@pytest.mark.parametrize("make, reason", [
+    # vLLM derives a KV connector from it at the end of its config's start, after bcg's launch flags.
+    (_kv_offloading, "KV offloading (a KV connector)"),
+    (_prefetch_offloading, "prefetch weight offloading"),
+])
+def test_offloading_is_declined_before_any_launch_flag_changes(vllm_model_config, caplog, make, reason):
+    plain = engine_config(vllm_model_config, **make())
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = engine_config(vllm_model_config, {"enable": True}, **make())
+    assert modes(cfg) == modes(plain) and launch.LAUNCH_RECORD_KEY not in cfg.additional_config
+    [warning] = bcg_warnings(caplog)
+    assert reason in warning and "left as configured" in warning
+    assert not plugin.arm_runner_patches(cfg) and not RUNNER.applied
+
+
+def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_warning(vllm_model_config, caplog):
+    """vLLM 0.33 turns every CUDA graph off late in its config's start for the MoonEP all-to-all
+    ("eager-only and must not be captured"), after the front-end set FULL_DECODE_ONLY for bcg."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    cfg = engine_config(vllm_model_config, {"enable": True})
+    assert prefill_graphs_wanted(cfg)
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE  # what vLLM's later step leaves
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        assert not plugin.arm_runner_patches(cfg)
+        assert not plugin.arm_runner_patches(cfg)  # a second worker in the process: said once
+    [warning] = bcg_warnings(caplog)
+    assert "vLLM turned CUDA graphs off for this engine after bcg set cudagraph_mode=FULL_DECODE_ONLY" in warning
+    assert "prefill and mixed batches run eagerly" in warning and not RUNNER.applied
+
+
+def test_a_graph_mode_of_none_the_user_chose_keeps_bcg_on(vllm_model_config, caplog):
+    cfg = engine_config(vllm_model_config, {"enable": True}, **_graph_mode("NONE"))
+    assert "cudagraph_mode" not in cfg.additional_config[launch.LAUNCH_RECORD_KEY]
+    assert prefill_graphs_wanted(cfg) and not bcg_warnings(caplog)
+
+
 def test_the_late_warning_names_only_what_bcg_changed(vllm_model_config, caplog):
     from vllm.config import CompilationConfig
 
     # The user chose FULL_DECODE_ONLY: a restart without bcg would not bring piecewise graphs back.
     cfg = engine_config(vllm_model_config, {"enable": True},
                         compilation_config=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"))
-    assert launch.LAUNCH_RECORD_KEY not in cfg.additional_config
+    assert cfg.additional_config[launch.LAUNCH_RECORD_KEY] == {}  # bcg ran, and changed nothing
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         launch.warn_declined(cfg, "something only a runner shows")
     [warning] = bcg_warnings(caplog)

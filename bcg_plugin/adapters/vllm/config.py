@@ -18,6 +18,9 @@ SUPPORTED_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN")
 # vLLM's switch for its own breakable graphs; vLLM sets it to 1 by itself for some architectures
 # when it is unset (see :mod:`bcg_plugin.adapters.vllm.launch`).
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
+# additional_config key under which the front-end leaves what it changed when bcg runs (the config
+# reaches every worker): its presence says the front-end set bcg's launch flags.
+LAUNCH_RECORD_KEY = "bcg_launch"
 
 
 def raw_bcg_config(vllm_config: Any) -> Any:
@@ -71,6 +74,13 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         (getattr(parallel, "prefill_context_parallel_size", 1) > 1
          or getattr(parallel, "decode_context_parallel_size", 1) > 1, "context parallelism"),
         (bool(getattr(parallel, "enable_dbo", False)), "dual-batch overlap (micro-batching)"),
+        (int(getattr(parallel, "ubatch_size", 0) or 0) > 1, "micro-batching (ubatch_size > 1)"),
+        # A scale event frees and reallocates the MoE workspace and the groups every graph points at, and
+        # vLLM recaptures its own graphs after it; bcg's would replay the freed ones.
+        (bool(getattr(parallel, "enable_elastic_ep", False)), "elastic expert parallelism"),
+        # vLLM turns it into a KV connector late in its config's start, after bcg's launch flags.
+        (getattr(cache, "kv_offloading_size", None) is not None, "KV offloading (a KV connector)"),
+        (_prefetch_offload(vllm_config), "prefetch weight offloading (its copy stream runs across forwards)"),
         # vLLM itself turns every CUDA graph off for this all-to-all (its kernels cannot be captured).
         (getattr(parallel, "data_parallel_size", 1) > 1 and bool(getattr(parallel, "enable_expert_parallel", False))
          and getattr(parallel, "all2all_backend", None) == "deepep_high_throughput",
@@ -161,7 +171,8 @@ def launch_problem(vllm_config: Any, cfg: BcgConfig) -> str | None:
     (bcg's own flags pass the graph-mode check). The graph mode comes last: a copy of a config bcg
     declined (``dataclasses.replace``) carries vLLM's final mode, and the first reason is the one logged.
     """
-    reason = unsupported_reason(vllm_config) or attention_backend_problem(vllm_config)
+    reason = (unsupported_reason(vllm_config) or attention_backend_problem(vllm_config)
+              or graphs_turned_off(vllm_config))
     if reason is None and cfg.torch_compile:
         cc = getattr(vllm_config, "compilation_config", None)
         reason = (compile_problem(cc) if cc is not None else None) or sequence_parallel_problem(vllm_config, cfg)
@@ -193,6 +204,27 @@ def prefill_graphs_wanted(vllm_config: Any) -> bool:
     if cc.mode == CompilationMode.NONE:
         return True
     return cfg.torch_compile and cc.mode == CompilationMode.VLLM_COMPILE and compile_problem(cc) is None
+
+
+def _prefetch_offload(vllm_config: Any) -> bool:
+    """Whether vLLM offloads weights with its prefetching offloader (``offload_group_size``), which
+    forks a copy stream in one forward that only the next joins."""
+    offload = getattr(vllm_config, "offload_config", None)
+    if offload is None or getattr(offload, "offload_backend", "auto") == "uva":
+        return False
+    return int(getattr(getattr(offload, "prefetch", None), "offload_group_size", 0) or 0) > 0
+
+
+def graphs_turned_off(vllm_config: Any) -> str | None:
+    """Where the front-end set ``cudagraph_mode=FULL_DECODE_ONLY`` for bcg and vLLM's final mode is
+    ``NONE``: vLLM turned every CUDA graph off itself, later in its config's start, for something in
+    this engine that must run eagerly (the MoonEP all-to-all in 0.33); bcg's graphs would capture it."""
+    record = (getattr(vllm_config, "additional_config", None) or {}).get(LAUNCH_RECORD_KEY) or {}
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if (record.get("cudagraph_mode") or [None, None])[1] == "FULL_DECODE_ONLY" and getattr(mode, "name", mode) == "NONE":
+        return ("vLLM turned CUDA graphs off for this engine after bcg set cudagraph_mode=FULL_DECODE_ONLY "
+                "(something in it runs eagerly only)")
+    return None
 
 
 def _attr(obj: Any, name: str, default: Any) -> Any:

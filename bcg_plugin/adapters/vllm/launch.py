@@ -39,16 +39,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bcg_plugin.adapters.vllm.config import BREAKABLE_ENV, bcg_config, launch_problem, raw_bcg_config
+from bcg_plugin.adapters.vllm.config import (
+    BREAKABLE_ENV,
+    LAUNCH_RECORD_KEY,
+    bcg_config,
+    launch_problem,
+    raw_bcg_config,
+)
 from bcg_plugin.adapters.vllm.log import logger
 
 # Said where bcg turns torch.compile off: the compiler's fused kernels are what a GPU-bound prefill
 # loses (Qwen3's per-head q/k norm and rotary run as separate eager kernels).
 COMPILE_HINT = ('"torch_compile": false: a shorter start, without vLLM\'s compiled kernels, which are faster '
                 "where prefill is GPU-bound")
-# additional_config key under which the front-end leaves what it changed, for a worker that declines
-# later to say what a restart without bcg gives back (the config reaches every worker).
-LAUNCH_RECORD_KEY = "bcg_launch"
 
 _logged: set[str] = set()
 
@@ -98,8 +101,7 @@ def configure_engine(vllm_config: Any) -> None:
             changed.append(f"cudagraph_mode {before or 'default'} (vLLM's default) -> FULL_DECODE_ONLY")
             record["cudagraph_mode"] = [before or "default", "FULL_DECODE_ONLY"]
         cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    if record:
-        vllm_config.additional_config = {**vllm_config.additional_config, LAUNCH_RECORD_KEY: record}
+    vllm_config.additional_config = {**vllm_config.additional_config, LAUNCH_RECORD_KEY: record}
     _log_once(
         "info", "bcg: prefill graphs enabled (%s); %s", cfg.to_dict(),
         "; ".join(changed) if changed else "launch flags already as needed",

@@ -15,7 +15,7 @@ from typing import Any
 
 from bcg_plugin import BcgCaptureError
 from bcg_plugin.adapters.vllm import version
-from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted
+from bcg_plugin.adapters.vllm.config import LAUNCH_RECORD_KEY, bcg_config, launch_problem, prefill_graphs_wanted
 from bcg_plugin.adapters.vllm.log import logger, route_core_logs
 from bcg_plugin.patches.vllm import GATE
 from bcg_plugin.versions import UNTESTED_ENV
@@ -111,8 +111,19 @@ def runs_bcg(vllm_config: Any) -> bool:
 
 
 def arm_runner_patches(vllm_config: Any) -> bool:
-    """Install the model-runner patch set once, if ``vllm_config`` enables bcg; False if it cannot."""
+    """Install the model-runner patch set once, if ``vllm_config`` enables bcg; False if it cannot.
+
+    A worker whose final config declines what the front-end enabled (set bcg's launch flags for)
+    says so once: vLLM changed the config after the front-end's check (a KV connector it derived,
+    graphs it turned off), and the engine runs without prefill graphs.
+    """
     if not prefill_graphs_wanted(vllm_config):
+        if LAUNCH_RECORD_KEY in (getattr(vllm_config, "additional_config", None) or {}):
+            reason = launch_problem(vllm_config, bcg_config(vllm_config))
+            if reason is not None:
+                from bcg_plugin.adapters.vllm.launch import warn_declined
+
+                warn_declined(vllm_config, reason)
         return False
     return apply_runner_patches(vllm_config)
 
