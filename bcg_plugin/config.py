@@ -158,10 +158,7 @@ class BcgConfig:
             name = ENV_PREFIX + f.name.upper()
             if name in env:
                 text = env[name].strip()
-                if f.name == "sizes":
-                    raw[f.name] = [s for s in text.replace(" ", "").split(",") if s]
-                else:
-                    raw[f.name] = text
+                raw[f.name] = _env_sizes(text, name) if f.name == "sizes" else text
         return cls.from_mapping(raw, source="environment (BCG_*)") if raw else None
 
     def with_chunk_size(self, chunk_size: int) -> BcgConfig:
@@ -207,6 +204,18 @@ def _int(v: Any, key: str, source: str, *, minimum: int) -> int:
     if v < minimum:
         raise BcgConfigError(f"{source}: {key!r} must be >= {minimum}, got {v}")
     return v
+
+
+def _env_sizes(text: str, name: str) -> list[str]:
+    """``BCG_SIZES``' items: integers separated by commas, each of them there (``16 32`` is not two
+    sizes, nor ``16,,32`` three)."""
+    if not text:
+        return []
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise BcgConfigError(f"environment (BCG_*): {name} must be positive integers separated by commas "
+                             f"(e.g. {name}=16,32,64), got {text!r}")
+    return items
 
 
 def _sizes(v: Any, source: str) -> tuple[int, ...]:

@@ -23,3 +23,23 @@ class BcgStateError(BcgError):
 
 class BcgVersionError(BcgError):
     """An installed dependency is outside the versions the runtime was checked against; the message names the range."""
+
+
+def one_line_if_uncaught() -> None:
+    """Where a :class:`BcgConfigError` ends the program uncaught (an engine's command line started with
+    a bad value), print it as the one line it is instead of a traceback; the exit status stays 1.
+    A program that catches it, and every other exception, is left as it was. Installed once."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "bcg_one_line", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, BcgConfigError):
+            print(f"bcg: configuration error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+
+    hook.bcg_one_line = True
+    sys.excepthook = hook

@@ -61,6 +61,13 @@ def test_from_json_errors_are_clear():
 def test_from_env():
     cfg = BcgConfig.from_env({"BCG_ENABLE": "1", "BCG_SIZES": "16, 32", "OTHER": "x"})
     assert cfg.enable and cfg.sizes == (16, 32)
+
+
+@pytest.mark.parametrize("text", ["16 32", "16,,32", "16,32,", "16,,x", "-16", "16;32"])
+def test_sizes_from_the_environment_are_integers_each_between_commas(text):
+    """``16 32`` is not the bucket 1632, nor ``16,,32`` three sizes: refused with the variable named."""
+    with pytest.raises(BcgConfigError, match="BCG_SIZES must be positive integers separated by commas"):
+        BcgConfig.from_env({"BCG_SIZES": text})
     assert BcgConfig.from_env({}) is None
     with pytest.raises(BcgConfigError, match="environment.*max_tokens"):
         BcgConfig.from_env({"BCG_MAX_TOKENS": "-3"})

@@ -162,10 +162,12 @@ def test_a_hook_sglang_did_not_install_fails_the_set(monkeypatch):
 
 @pytest.mark.parametrize(
     "env, key",
-    [({"BCG_SIZES": "16,abc"}, "'sizes'"), ({"BCG_MAX_TOKENS": "-4"}, "'max_tokens'"),
+    [({"BCG_SIZES": "16,abc"}, "BCG_SIZES"), ({"BCG_MAX_TOKENS": "-4"}, "'max_tokens'"),
      ({"BCG_ENABLE": "maybe"}, "'enable'"), ({"BCG_MAX_PADDING_RATIO": "0.5"}, "'max_padding_ratio'"),
      ({"BCG_CAPTURE_FAILURE": "ignore"}, "'capture_failure'"),
      ({"BCG_STATS_INTERVAL_S": "soon"}, "'BCG_STATS_INTERVAL_S'"),
+     ({"BCG_STATS_INTERVAL_S": "nan"}, "'BCG_STATS_INTERVAL_S'"), ({"BCG_STATS_INTERVAL_S": "inf"}, "0 turns"),
+     ({"BCG_STATS_INTERVAL_S": "-1"}, "'BCG_STATS_INTERVAL_S'"),
      ({"BCG_SIZES": "16,4096", "BCG_MAX_TOKENS": "2048"}, "'sizes'"),
      ({"BCG_ENABLE": "1", "BCG_TORCH_COMPILE": "1"}, "'torch_compile' is supported with vLLM only")],
 )
@@ -635,6 +637,39 @@ def run_scenario(model_dir, *args, scenario=SCENARIO, **env):
     return json.loads(lines[-1][len("SCENARIO "):])
 
 
+LAUNCH_WITH_BCG = textwrap.dedent(
+    """
+    import sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    prepare_server_args(["--model-path", sys.argv[1], "--skip-tokenizer-init", "--load-format", "dummy",
+                         "--device", "cpu", "--cuda-graph-backend-prefill", "bcg"])
+    print("LAUNCHED")
+    """
+)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"BCG_SIZES": "16,,x"}, "BCG_SIZES must be positive integers separated by commas"),
+    ({"BCG_MAX_TOKENS": "0"}, "BCG_MAX_TOKENS=0 disables it"),
+    ({"BCG_ENABLE": "maybe"}, "'enable' must be true or false, got 'maybe'"),  # before the flag sets it
+    ({}, None),
+])
+def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, env, message):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("BCG_")}
+    full.update(env, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
+                                                                           if p))
+    proc = subprocess.run([sys.executable, "-c", LAUNCH_WITH_BCG, model_dir], env=full, capture_output=True,
+                          text=True, timeout=600)
+    if message is None:
+        assert proc.returncode == 0 and "LAUNCHED" in proc.stdout, proc.stderr[-3000:]
+        return
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("bcg:")]
+    assert line.startswith("bcg: configuration error: ") and message in line
+
+
 @pytest.fixture(scope="module")
 def enabled(model_dir):
     return run_scenario(model_dir, BCG_ENABLE="1")
@@ -701,7 +736,7 @@ def test_cli_and_engine_flag_enable_bcg(scenario, request):
         assert out["cli_decode_bcg"] == {"exit": 2}, out["cli_decode_bcg"]
     decode = out["engine_decode_bcg"]
     assert decode.get("error") == "BcgConfigError" and "prefill" in decode["message"], decode
-    assert out["cli_bad_sizes"]["error"] == "BcgConfigError" and "'sizes'" in out["cli_bad_sizes"]["message"]
+    assert out["cli_bad_sizes"]["error"] == "BcgConfigError" and "BCG_SIZES" in out["cli_bad_sizes"]["message"]
 
 
 def test_dp_token_counts_outlive_the_dummy_batch_that_brought_them():

@@ -7,6 +7,7 @@ because SGLang rejects unknown flags and kwargs and spawned schedulers inherit t
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -43,6 +44,7 @@ def stats_interval(environ: Mapping[str, str] | None = None) -> float:
         raise BcgConfigError(
             f"environment (BCG_*): {STATS_INTERVAL_ENV!r} must be a number of seconds >= 0, got {raw!r}"
         ) from None
-    if value < 0:
-        raise BcgConfigError(f"environment (BCG_*): {STATS_INTERVAL_ENV!r} must be >= 0, got {raw!r}")
+    if not 0 <= value < math.inf:  # NaN and infinity too: 0 is how the lines are turned off
+        raise BcgConfigError(f"environment (BCG_*): {STATS_INTERVAL_ENV!r} must be a number of seconds >= 0 "
+                             f"(0 turns the stats lines off), got {raw!r}")
     return value

@@ -34,6 +34,7 @@ def translate_server_args(args) -> None:
     global _set_by_flag
     _refuse_decode(args)
     if getattr(args, "cuda_graph_backend_prefill", None) == config.FLAG_VALUE:
+        config.read_config()  # the user's own BCG_ENABLE too, before the flag sets it
         args.cuda_graph_backend_prefill = None
         os.environ[config.ENABLE_ENV] = "1"
         _set_by_flag = True

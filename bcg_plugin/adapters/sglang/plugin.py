@@ -17,6 +17,7 @@ from typing import Any
 
 from bcg_plugin import BcgConfigError
 from bcg_plugin.adapters.sglang import config, launch, version
+from bcg_plugin.errors import one_line_if_uncaught
 from bcg_plugin.patches.sglang import GATE
 from bcg_plugin.versions import UNTESTED_ENV
 
@@ -73,11 +74,16 @@ def calls() -> dict[str, Any]:
 
 def translate_server_args(args: Any) -> None:
     """What the ``ServerArgs.__post_init__`` patch does with the flag: bcg's switch where bcg runs,
-    SGLang's default prefill backend where the plugin is off."""
-    if is_active():
-        launch.translate_server_args(args)
-    else:
-        launch.sglang_default(args)
+    SGLang's default prefill backend where the plugin is off. A bad value stops SGLang's command line
+    with one line (:func:`~bcg_plugin.errors.one_line_if_uncaught`)."""
+    try:
+        if is_active():
+            launch.translate_server_args(args)
+        else:
+            launch.sglang_default(args)
+    except BcgConfigError:
+        one_line_if_uncaught()
+        raise
 
 
 def register() -> None:
