@@ -177,6 +177,11 @@ class BcgConfig:
         return d
 
 
+def config_env_names() -> set[str]:
+    """The ``BCG_*`` variables :meth:`BcgConfig.from_env` reads."""
+    return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BcgConfig)}
+
+
 def _bool(v: Any, key: str, source: str) -> bool:
     if isinstance(v, bool):
         return v

@@ -44,11 +44,6 @@ class ConfigCheck:
     ignored: list[str] = dataclasses.field(default_factory=list)
 
 
-def config_env_names() -> set[str]:
-    """The ``BCG_*`` variables :meth:`BcgConfig.from_env` reads."""
-    return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BcgConfig)}
-
-
 def unknown_env_key(name: str, known: set[str]) -> str:
     """``name`` as an ignored key, with the known name it is likely a misspelling of."""
     close = difflib.get_close_matches(name, sorted(known), n=1)

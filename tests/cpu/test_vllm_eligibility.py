@@ -267,6 +267,16 @@ def test_a_graph_mode_of_none_the_user_chose_keeps_bcg_on(vllm_model_config, cap
     assert prefill_graphs_wanted(cfg) and not bcg_warnings(caplog)
 
 
+def test_bcg_variables_in_the_environment_are_named_as_unread_by_vllm(vllm_model_config, caplog, monkeypatch):
+    monkeypatch.setenv("BCG_ENABLE", "1")
+    monkeypatch.setenv("BCG_MAX_TOKENS", "4096")
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = engine_config(vllm_model_config)
+    [warning] = bcg_warnings(caplog)
+    assert "additional_config['bcg'] only; BCG_ENABLE, BCG_MAX_TOKENS are ignored" in warning
+    assert not prefill_graphs_wanted(cfg)  # nothing enabled from them
+
+
 def test_the_late_warning_names_only_what_bcg_changed(vllm_model_config, caplog):
     from vllm.config import CompilationConfig
 

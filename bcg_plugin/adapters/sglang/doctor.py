@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
-from bcg_plugin.doctor import AdapterReport, ConfigCheck, config_env_names, unknown_env_key
+from bcg_plugin.config import config_env_names
+from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
 from bcg_plugin.faults import FAULTS_ENV
 

@@ -66,6 +66,7 @@ def _log_once(level: str, msg: str, *args: Any) -> None:
 
 def configure_engine(vllm_config: Any) -> None:
     """Validate the bcg config (errors name the key); set the launch flags only if bcg will run."""
+    _warn_unread_environment()
     if raw_bcg_config(vllm_config) is None:
         return
     cfg = bcg_config(vllm_config)
@@ -106,6 +107,17 @@ def configure_engine(vllm_config: Any) -> None:
         "info", "bcg: prefill graphs enabled (%s); %s", cfg.to_dict(),
         "; ".join(changed) if changed else "launch flags already as needed",
     )
+
+
+def _warn_unread_environment() -> None:
+    """vLLM takes bcg's configuration from ``additional_config`` only; ``BCG_*`` variables that
+    configure SGLang's bcg would otherwise be ignored here without a word."""
+    from bcg_plugin.config import config_env_names
+
+    unread = sorted(name for name in config_env_names() if name in os.environ)
+    if unread:
+        _log_once("warning", "bcg: vLLM reads bcg's configuration from additional_config['bcg'] only; %s %s "
+                  "ignored (SGLang reads them)", ", ".join(unread), "is" if len(unread) == 1 else "are")
 
 
 def warn_declined(vllm_config: Any, reason: str) -> None:
