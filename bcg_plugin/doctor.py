@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
-from bcg_plugin.versions import installed_version
+from bcg_plugin.versions import UNTESTED_ENV, installed_version
 
 HOST_ENTRY_POINTS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
 
@@ -69,6 +69,8 @@ class AdapterReport:
         attention_scope: ``attention_scope(config) -> str``: where each bucket's attention runs under
             ``config`` (the choice a capture then logs bucket by bucket), or ``None`` if the adapter
             always breaks.
+        untested: the host release is newer than every validated one and the user opted in to run
+            it untested (``BCG_ALLOW_UNTESTED_HOST``).
     """
 
     engine: str
@@ -81,6 +83,7 @@ class AdapterReport:
     check_config: Callable[[Any, Mapping[str, str]], ConfigCheck] | None = None
     replay_scope: str = ""
     attention_scope: Callable[[BcgConfig], str] | None = None
+    untested: bool = False
 
     @property
     def installed(self) -> bool:
@@ -158,6 +161,8 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout, environ: Ma
             continue
         any_host = True
         state = "compatible" if report.compatible else "INCOMPATIBLE"
+        if report.compatible and report.untested:
+            state = f"compatible, UNTESTED ({UNTESTED_ENV} is set: newer than every release bcg-plugin was validated on)"
         say(f"{engine} {report.version}: {state} (adapter verified against {report.supported})")
         for target, problem in report.targets:
             say(f"  {'ok  ' if problem is None else 'FAIL'} {target}" + ("" if problem is None else f": {problem}"))

@@ -57,6 +57,15 @@ def host_problem(host: str, supported: SpecifierSet | str, found: str | None) ->
 UNTESTED_ENV = "BCG_ALLOW_UNTESTED_HOST"
 
 
+def _opted_in() -> bool | None:
+    """Whether :data:`UNTESTED_ENV` says yes, read as the configuration's booleans are; ``None`` for a
+    value that is neither."""
+    value = os.environ.get(UNTESTED_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return False if value in ("", "0", "false", "no", "off") else None
+
+
 class HostGate:
     """The releases of one host engine that bcg-plugin patches, and which descriptors a version gets.
 
@@ -88,8 +97,7 @@ class HostGate:
 
     def untested(self, found: str | None) -> bool:
         """Whether ``found`` is newer than every release bcg-plugin was validated on and the user opted in."""
-        return (found is not None and os.environ.get(UNTESTED_ENV, "") in ("1", "true", "yes")
-                and self._newer(found))
+        return found is not None and _opted_in() is True and self._newer(found)
 
     def problem(self, found: str | None) -> str | None:
         """Why ``found`` is not patched (see :func:`host_problem`), or ``None``."""
@@ -99,7 +107,11 @@ class HostGate:
             return torch_version_problem()
         problem = host_problem(self.dist, self.supported, found)
         if problem is not None and found is not None and self._newer(found):
-            problem += f"; set {UNTESTED_ENV}=1 to try a newer release untested"
+            if _opted_in() is None:
+                problem += (f"; {UNTESTED_ENV}={os.environ[UNTESTED_ENV]!r} is neither true nor false: set it to 1 "
+                            "to try a newer release untested")
+            else:
+                problem += f"; set {UNTESTED_ENV}=1 to try a newer release untested"
         return problem
 
     def nearest(self) -> str | None:

@@ -1,5 +1,6 @@
 """``bcg doctor`` against the real host packages (skipped where a host is not importable)."""
 
+import importlib
 import io
 import json
 
@@ -155,6 +156,24 @@ def test_sglang_names_misspelled_variables_and_json_it_cannot_be_given():
     assert "BCG_STATS_INTERVAL_S" not in sglang.split("configuration", 1)[1]  # a variable SGLang's adapter reads
     # What SGLang runs: the environment's config, the top bucket its chunk, not the ignored 512 or 1024.
     assert rc == 0 and "up to the engine's chunk size" in sglang
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_host_run_untested_is_named_so_and_its_opt_in_is_not_called_unread(monkeypatch, engine):
+    pytest.importorskip(engine)
+    from bcg_plugin.versions import UNTESTED_ENV
+
+    version = importlib.import_module(f"bcg_plugin.adapters.{engine}.version")
+    newer = {"vllm": "0.34.0", "sglang": "0.5.24"}[engine]
+    monkeypatch.setattr(version, "installed", lambda: newer)
+    monkeypatch.setenv(UNTESTED_ENV, "1")
+    rc, text = _run_env({UNTESTED_ENV: "1", "BCG_ENABLE": "1"}, engines=[engine])
+    section = _section(text, engine)
+    assert section.startswith(f"{newer}: compatible, UNTESTED ({UNTESTED_ENV} is set"), section
+    assert UNTESTED_ENV not in section.split("configuration", 1)[1]  # not listed as ignored
+    monkeypatch.delenv(UNTESTED_ENV)
+    rc, text = _run_env({}, engines=[engine])
+    assert _section(text, engine).startswith(f"{newer}: INCOMPATIBLE") and rc == 1
 
 
 @pytest.mark.sglang

@@ -120,3 +120,15 @@ def test_a_newer_release_runs_only_on_the_untested_opt_in_with_the_newest_descri
     # An older release than every validated one is never "untested newer".
     assert not gate.untested("0.9") and "outside" in gate.problem("0.9")
     assert UNTESTED_ENV not in gate.problem("0.9")  # the opt-in cannot help an older release: no hint
+
+
+@pytest.mark.parametrize("value, opted_in", [("TRUE", True), ("on", True), (" yes ", True), ("0", False),
+                                             ("off", False), ("maybe", None)])
+def test_the_untested_opt_in_reads_as_the_configurations_booleans(monkeypatch, value, opted_in):
+    monkeypatch.setenv(UNTESTED_ENV, value)
+    gate = toy_gate(monkeypatch, "1.4")
+    assert gate.untested("1.4") == bool(opted_in)
+    if opted_in is None:  # neither: said so, not taken for "not set"
+        assert f"{UNTESTED_ENV}='maybe' is neither true nor false: set it to 1" in gate.problem("1.4")
+    elif not opted_in:
+        assert f"set {UNTESTED_ENV}=1 to try" in gate.problem("1.4")

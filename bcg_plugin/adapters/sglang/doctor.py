@@ -12,6 +12,7 @@ from bcg_plugin.config import config_env_names
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
 from bcg_plugin.faults import FAULTS_ENV
+from bcg_plugin.versions import UNTESTED_ENV
 
 
 def diagnose() -> AdapterReport:
@@ -26,6 +27,7 @@ def diagnose() -> AdapterReport:
     problem = version.problem()
     if problem is not None:
         report.problems.append(problem)
+    report.untested = version.untested()
     report.verify_targets(_patch_set(runtime=True), calls())
     note = memory_saver_note(os.environ)
     if note is not None:
@@ -70,7 +72,7 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     variables it does not read are named as ignored."""
     from bcg_plugin.adapters.sglang import config
 
-    known = config_env_names() | {config.STATS_INTERVAL_ENV, FAULTS_ENV}
+    known = config_env_names() | {config.STATS_INTERVAL_ENV, FAULTS_ENV, UNTESTED_ENV}
     ignored = [unknown_env_key(name, known) for name in sorted(environ)
                if name.startswith(ENV_PREFIX) and name not in known]
     if isinstance(raw, dict):

@@ -15,6 +15,7 @@ from bcg_plugin.config import ENV_PREFIX, BcgConfig
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
 from bcg_plugin.faults import FAULTS_ENV
+from bcg_plugin.versions import UNTESTED_ENV
 
 
 def diagnose() -> AdapterReport:
@@ -34,6 +35,7 @@ def diagnose() -> AdapterReport:
     problem = version.problem()
     if problem is not None:
         report.problems.append(problem)
+    report.untested = version.untested()
     report.notes.append(f"vLLM's defaults under the keys you set: {json.dumps(VLLM_DEFAULTS)} (torch_compile keeps "
                         "the compilation vLLM is configured with; -O0 or \"torch_compile\": false captures the "
                         "plain model)")
@@ -119,7 +121,7 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     keys = {ENV_PREFIX + f.name.upper(): f.name for f in dataclasses.fields(BcgConfig)}
     ignored = [(f"{name} (vLLM reads only {SOURCE}: give {json.dumps(keys[name])} in --config JSON)" if name in keys
                 else unknown_env_key(name, set(keys)))
-               for name in sorted(environ) if name.startswith(ENV_PREFIX) and name != FAULTS_ENV]
+               for name in sorted(environ) if name.startswith(ENV_PREFIX) and name not in (FAULTS_ENV, UNTESTED_ENV)]
     source = f"{SOURCE}, from --config" if raw is not None else f"{SOURCE}, none given (--config)"
     try:
         return ConfigCheck(source, config=validate({} if raw is None else raw), ignored=ignored)
