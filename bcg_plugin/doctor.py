@@ -188,6 +188,9 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout, environ: Ma
             say("  -> the engine refuses to start until the configuration is fixed")
         elif config is None:
             say("  -> the configuration is not checked: this adapter has no check")
+        elif config.enable and not config.active:
+            say("  -> the plugin is enabled but captures nothing: 'max_tokens' is 0; drop it (or raise it) to "
+                "replay prefill graphs")
         elif not config.active:
             say(f"  -> the plugin is installed but off; enable it with {report.enable_hint}")
         else:
@@ -200,6 +203,7 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout, environ: Ma
             say(f"  -> attention ({json.dumps(config.attention)}): {where}")
     if not any_host:
         say()
-        say("no supported host engine (vLLM, SGLang) is installed: the plugin has nothing to do")
+        say(f"{engines[0]} is not installed: the plugin has nothing to do there" if len(engines) == 1
+            else "no supported host engine (vLLM, SGLang) is installed: the plugin has nothing to do")
         ok = False
     return 0 if ok else 1

@@ -176,6 +176,27 @@ def test_a_host_run_untested_is_named_so_and_its_opt_in_is_not_called_unread(mon
     assert _section(text, engine).startswith(f"{newer}: INCOMPATIBLE") and rc == 1
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_max_tokens_zero_is_named_as_what_keeps_an_enabled_plugin_idle(engine):
+    pytest.importorskip(engine)
+    if engine == "vllm":
+        rc, text = _run_env({}, config='{"enable": true, "max_tokens": 0}', engines=[engine])
+    else:
+        rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKENS": "0"}, engines=[engine])
+    section = _section(text, engine)
+    assert "enabled but captures nothing: 'max_tokens' is 0" in section and "installed but off" not in section
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_engine_asked_for_and_missing_is_named(monkeypatch, engine):
+    pytest.importorskip(engine)
+    version = importlib.import_module(f"bcg_plugin.adapters.{engine}.version")
+    monkeypatch.setattr(version, "installed", lambda: None)
+    rc, text = _run_env({}, engines=[engine])
+    assert rc == 1 and f"{engine} is not installed: the plugin has nothing to do there" in text
+    assert "(vLLM, SGLang)" not in text
+
+
 @pytest.mark.sglang
 @pytest.mark.parametrize("value, noted", [("1", True), ("true", True), ("0", False), (None, False)])
 def test_sglang_notes_that_a_memory_saver_releasing_graph_memory_keeps_bcg_off(monkeypatch, value, noted):
