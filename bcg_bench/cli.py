@@ -151,8 +151,8 @@ def require_extra(command: str) -> None:
 
 def require_engine(engine: str) -> None:
     if importlib.util.find_spec(harness.ENGINES[engine]["package"]) is None:
-        raise CommandError(f"{engine} is not installed: pip install \"bcg-plugin[{engine}]\" "
-                           f"(from a checkout: pip install \".[{engine}]\")")
+        raise CommandError(f"{engine} is not installed: pip install \".[{engine}]\" from a checkout "
+                           f"(once published: pip install \"bcg-plugin[{engine}]\")")
 
 
 def require_gpus(count: int, layout: str) -> None:
@@ -221,15 +221,18 @@ def _report(args: argparse.Namespace) -> int:
     if "engine" in kinds:  # a micro result's report has no plots
         require_extra("report")
     for path, kind in zip(args.results, kinds):
-        if kind == "micro":
-            from bcg_bench import micro
+        try:
+            if kind == "micro":
+                from bcg_bench import micro
 
-            written = micro.render(path)
-        else:
-            try:
+                written = micro.render(path)
+            else:
                 written = harness.render(path)
-            except KeyError as e:
-                args.parser.error(f"{path} is not a complete bcg bench result: it lacks the key {e}")
+        except KeyError as e:
+            args.parser.error(f"{path} is not a complete bcg bench result: it lacks the key {e}")
+        except (TypeError, ValueError, AttributeError, IndexError) as e:  # a field of another shape
+            args.parser.error(f"{path} does not read as the result bcg bench wrote (changed since?): "
+                              f"{type(e).__name__}: {e}")
         for p in written:
             print(p)
     return 0
@@ -250,7 +253,8 @@ def load_result(path: Path, parser: argparse.ArgumentParser) -> str:
         parser.error(f"{path} is not a bcg bench result: it has no 'benchmark' field ({written_by})")
     kind = result["benchmark"]
     if kind not in RESULT_KEYS:
-        parser.error(f"{path} is a {kind!r} result, not a bcg bench one ({written_by})")
+        parser.error(f"{path} has 'benchmark': {kind!r}, which bcg bench does not write (its results say "
+                     f"{' or '.join(repr(k) for k in RESULT_KEYS)}; {written_by})")
     missing = [k for k in RESULT_KEYS[kind] if k not in result]
     if missing or (kind == "engine" and not isinstance(result["modes"], dict)):
         parser.error(f"{path} is not a complete bcg bench result: it lacks {', '.join(missing) or 'its modes'}")

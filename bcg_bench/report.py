@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-INSTALL_BENCH = 'pip install "bcg-plugin[bench]" (from a checkout: pip install ".[bench]")'
+INSTALL_BENCH = 'pip install ".[bench]" from a checkout (once published: pip install "bcg-plugin[bench]")'
 NO_PLOTS = f"matplotlib is not installed, so no plots were drawn; to draw them: {INSTALL_BENCH}"
 
 

@@ -64,12 +64,12 @@ def build_parser(argv: list[str]) -> Parser:
 
     bench = sub.add_parser("bench", help="benchmark bcg: micro, vllm, sglang, report (the bench extra)",
                            description="Benchmark bcg against each host's own modes (needs the bench extra: "
-                                       "pip install \"bcg-plugin[bench]\").")
+                                       "pip install \".[bench]\" from a checkout).")
     if argv[:1] == ["bench"]:
         add_commands = [ep for ep in importlib.metadata.entry_points(group=COMMANDS_GROUP) if ep.name == "bench"]
         if not add_commands:
             parser.exit(1, "bcg bench: error: the benchmark is not installed; install it with "
-                           "pip install \"bcg-plugin[bench]\" (from a checkout: pip install \".[bench]\")\n")
+                           "pip install \".[bench]\" from a checkout (once published: pip install \"bcg-plugin[bench]\")\n")
         add_commands[0].load()(bench)
     return parser
 

@@ -93,7 +93,7 @@ class BcgConfig:
                 f"{source}: expected a JSON object such as {{\"enable\": true}}, got {type(raw).__name__}"
             )
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
+        unknown = sorted(set(raw) - known, key=repr)  # keys of any type: a Python caller's mapping
         if unknown:
             raise BcgConfigError(
                 f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "

@@ -140,13 +140,29 @@ def test_malformed_json(tmp_path):
 @pytest.mark.parametrize("content, fragment", [
     ({"modes": {}}, "it has no 'benchmark' field"),
     ([1, 2], "it has no 'benchmark' field"),
-    ({"benchmark": "padding_rows"}, "is a 'padding_rows' result"),
+    ({"benchmark": "padding_rows"}, "has 'benchmark': 'padding_rows', which bcg bench does not write"),
+    ({"benchmark": "vllm"}, "its results say 'engine' or 'micro'"),
     ({"benchmark": "engine", "engine": "vllm"}, "it lacks engine_version, model, sizes, modes"),
 ])
 def test_json_that_is_not_a_bench_result(tmp_path, content, fragment):
     path = tmp_path / "other.json"
     path.write_text(json.dumps(content))
     one_line_error(bcg("bench", "report", str(path)), 2, f"{path} ", fragment)
+
+
+@pytest.mark.parametrize("source, change", [
+    (ENGINE_RESULT, lambda r: r["modes"].update(bcg=5)),
+    (ENGINE_RESULT, lambda r: r.update(sizes="x")),
+    (MICRO_RESULT, lambda r: r.update(results=None)),
+])
+def test_a_result_changed_since_bcg_bench_wrote_it(tmp_path, source, change):
+    pytest.importorskip("matplotlib")
+    result = json.loads(source.read_text())
+    change(result)
+    path = tmp_path / source.name
+    path.write_text(json.dumps(result))
+    one_line_error(bcg("bench", "report", str(path)), 2, f"{path} ",
+                   "does not read as the result bcg bench wrote (changed since?)")
 
 
 @pytest.mark.parametrize("sizes", ["16,abc", "0,16", "-4", ""])

@@ -63,6 +63,11 @@ def test_from_env():
     assert cfg.enable and cfg.sizes == (16, 32)
 
 
+def test_unknown_keys_of_any_type_are_named():
+    with pytest.raises(BcgConfigError, match=r"unknown key\(s\) 'x', 1;"):
+        BcgConfig.from_mapping({1: True, "x": 1, "enable": True})
+
+
 @pytest.mark.parametrize("text", ["16 32", "16,,32", "16,32,", "16,,x", "-16", "16;32"])
 def test_sizes_from_the_environment_are_integers_each_between_commas(text):
     """``16 32`` is not the bucket 1632, nor ``16,,32`` three sizes: refused with the variable named."""
