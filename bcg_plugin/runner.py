@@ -429,19 +429,21 @@ class PrefillGraphRunner:
         """
         batch, world, error = _agreed(lambda: self._stage_bucket(bucket, variant), group)
         graph = None
-        if world is CaptureStatus.OK:
+        staged = world is CaptureStatus.OK
+        if staged:
             graph, world, error = _agreed(lambda: self._capture_bucket(bucket, batch, stream, warm=warm), group)
         if world is CaptureStatus.OK:
             return graph
         if graph is not None:
             graph.release()
-        if world is CaptureStatus.FAILED and (variant is not None or not warm):
+        retry = staged and not warm  # a warm-up can mend a capture, not a dummy batch that failed
+        if world is CaptureStatus.FAILED and (variant is not None or retry):
             lost = error is not None and self._device_lost(error, "capture") is not None
             if agree_capture_status(CaptureStatus.FAILED if lost else CaptureStatus.OK, group) is CaptureStatus.OK:
                 why = repr(error) if error is not None else "on another rank"
                 if error is not None:
                     traceback.clear_frames(error.__traceback__)
-                if not warm:
+                if retry:
                     logger.info("bcg: bucket %d%s did not capture without a warm-up (%s); recapturing it after one",
                                 bucket, "" if variant is None else f" (variant {variant!r})", why)
                     return self._capture_agreed(bucket, stream, group, warm=True, variant=variant)

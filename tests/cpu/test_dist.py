@@ -171,8 +171,10 @@ def _capture_script(rank, failing_rank, fail_bucket, fail_when, error, config):
         return None
 
     def stage_bucket(bucket, variant=None):
-        if rank == failing_rank and bucket == fail_bucket and fail_when == "stage":
-            raise error
+        if bucket == fail_bucket and fail_when == "stage":
+            log.append(("staged", bucket))
+            if rank == failing_rank:
+                raise error
         return variant
 
     runner._prepare_capture = prepare_capture
@@ -194,13 +196,15 @@ def test_failure_on_one_rank_stops_every_rank_at_that_bucket(tmp_path):
     assert results[1] == ["eager", [(64, True), (32, True), ("released", 64)]]
 
 
+@pytest.mark.parametrize("warmup", ["every_bucket", "first_bucket"])
 @pytest.mark.parametrize("error", [RuntimeError("plan failed"), torch.OutOfMemoryError("block table")])
-def test_a_dummy_batch_failing_on_one_rank_stops_every_rank_before_that_buckets_warm_up(tmp_path, error):
+def test_a_dummy_batch_failing_on_one_rank_stops_every_rank_before_that_buckets_warm_up(tmp_path, error, warmup):
     # Rank 1's dummy batch for bucket 32 (its attention plan allocates) fails: rank 0 must not start
-    # bucket 32's warm-up, whose collectives rank 1 would never join.
-    results = _run(2, _capture_script, tmp_path, 1, 32, "stage", error, {})
+    # bucket 32's warm-up, whose collectives rank 1 would never join; nor is the bucket retried after a
+    # warm-up, which cannot mend a dummy batch.
+    results = _run(2, _capture_script, tmp_path, 1, 32, "stage", error, {"warmup": warmup})
     for outcome, log in results:
-        assert [entry for entry in log if entry[0] != "released"] == [(64, True)]
+        assert [entry for entry in log if entry[0] != "released"] == [(64, True), ("staged", 32)]
     expected = "BcgCaptureOOM" if isinstance(error, torch.OutOfMemoryError) else "eager"
     assert [outcome.split(":")[0] for outcome, _ in results] == [expected, expected]
 
