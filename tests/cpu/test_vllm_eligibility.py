@@ -245,20 +245,38 @@ def test_offloading_is_declined_before_any_launch_flag_changes(vllm_model_config
     assert not plugin.arm_runner_patches(cfg) and not RUNNER.applied
 
 
-def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_warning(vllm_model_config, caplog):
+@pytest.mark.parametrize("user_mode", [None, "FULL_DECODE_ONLY"])
+def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_warning(vllm_model_config, caplog,
+                                                                                      user_mode):
     """vLLM 0.33 turns every CUDA graph off late in its config's start for the MoonEP all-to-all
-    ("eager-only and must not be captured"), after the front-end set FULL_DECODE_ONLY for bcg."""
+    ("eager-only and must not be captured"), after bcg's launch under FULL_DECODE_ONLY (its own or
+    the user's)."""
     from vllm.config.compilation import CUDAGraphMode
 
-    cfg = engine_config(vllm_model_config, {"enable": True})
+    cfg = engine_config(vllm_model_config, {"enable": True}, **(_graph_mode(user_mode) if user_mode else {}))
     assert prefill_graphs_wanted(cfg)
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE  # what vLLM's later step leaves
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         assert not plugin.arm_runner_patches(cfg)
         assert not plugin.arm_runner_patches(cfg)  # a second worker in the process: said once
     [warning] = bcg_warnings(caplog)
-    assert "vLLM turned CUDA graphs off for this engine after bcg set cudagraph_mode=FULL_DECODE_ONLY" in warning
+    assert "vLLM turned CUDA graphs off for this engine after bcg's launch under cudagraph_mode=FULL_DECODE_ONLY" \
+        in warning
     assert "prefill and mixed batches run eagerly" in warning and not RUNNER.applied
+    assert "FULL_AND_PIECEWISE graphs back" not in warning  # vLLM would turn those off without bcg too
+
+
+def test_a_config_copy_keeps_what_the_first_start_recorded(vllm_model_config):
+    cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False})
+    first = dict(cfg.additional_config[launch.LAUNCH_RECORD_KEY])
+    launch.configure_engine(cfg)  # __post_init__ of a copy: nothing left to change
+    assert cfg.additional_config[launch.LAUNCH_RECORD_KEY] == first and "cudagraph_mode" in first
+
+
+def test_a_worker_with_additional_config_of_another_type_is_left_alone(vllm_model_config):
+    cfg = engine_config(vllm_model_config)
+    cfg.additional_config = types.SimpleNamespace(compute_hash=lambda: "h")  # vLLM takes dict | SupportsHash
+    assert not plugin.arm_runner_patches(cfg) and not RUNNER.applied
 
 
 def test_a_graph_mode_of_none_the_user_chose_keeps_bcg_on(vllm_model_config, caplog):
@@ -283,7 +301,7 @@ def test_the_late_warning_names_only_what_bcg_changed(vllm_model_config, caplog)
     # The user chose FULL_DECODE_ONLY: a restart without bcg would not bring piecewise graphs back.
     cfg = engine_config(vllm_model_config, {"enable": True},
                         compilation_config=CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"))
-    assert cfg.additional_config[launch.LAUNCH_RECORD_KEY] == {}  # bcg ran, and changed nothing
+    assert cfg.additional_config[launch.LAUNCH_RECORD_KEY] == {"graphs": "FULL_DECODE_ONLY"}  # changed nothing
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         launch.warn_declined(cfg, "something only a runner shows")
     [warning] = bcg_warnings(caplog)

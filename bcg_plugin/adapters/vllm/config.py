@@ -23,6 +23,14 @@ BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 LAUNCH_RECORD_KEY = "bcg_launch"
 
 
+def launch_record(vllm_config: Any) -> dict | None:
+    """What the front-end recorded when it set bcg's launch flags, or ``None`` where it did not (bcg
+    declined or not enabled; ``additional_config`` may be any hashable object, not only a dict)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    record = extra.get(LAUNCH_RECORD_KEY) if isinstance(extra, dict) else None
+    return record if isinstance(record, dict) else None
+
+
 def raw_bcg_config(vllm_config: Any) -> Any:
     """The user's ``additional_config["bcg"]`` value, or ``None`` when the key is absent."""
     additional = getattr(vllm_config, "additional_config", None)
@@ -216,13 +224,14 @@ def _prefetch_offload(vllm_config: Any) -> bool:
 
 
 def graphs_turned_off(vllm_config: Any) -> str | None:
-    """Where the front-end set ``cudagraph_mode=FULL_DECODE_ONLY`` for bcg and vLLM's final mode is
-    ``NONE``: vLLM turned every CUDA graph off itself, later in its config's start, for something in
-    this engine that must run eagerly (the MoonEP all-to-all in 0.33); bcg's graphs would capture it."""
-    record = (getattr(vllm_config, "additional_config", None) or {}).get(LAUNCH_RECORD_KEY) or {}
+    """Where bcg was launched under CUDA graphs (``FULL_DECODE_ONLY``, its own or the user's) and
+    vLLM's final mode is ``NONE``: vLLM turned every CUDA graph off itself, later in its config's
+    start, for something in this engine that must run eagerly (the MoonEP all-to-all in 0.33); bcg's
+    graphs would capture it."""
+    started = (launch_record(vllm_config) or {}).get("graphs")
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    if (record.get("cudagraph_mode") or [None, None])[1] == "FULL_DECODE_ONLY" and getattr(mode, "name", mode) == "NONE":
-        return ("vLLM turned CUDA graphs off for this engine after bcg set cudagraph_mode=FULL_DECODE_ONLY "
+    if started not in (None, "NONE") and getattr(mode, "name", mode) == "NONE":
+        return (f"vLLM turned CUDA graphs off for this engine after bcg's launch under cudagraph_mode={started} "
                 "(something in it runs eagerly only)")
     return None
 

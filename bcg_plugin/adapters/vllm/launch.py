@@ -43,7 +43,9 @@ from bcg_plugin.adapters.vllm.config import (
     BREAKABLE_ENV,
     LAUNCH_RECORD_KEY,
     bcg_config,
+    graphs_turned_off,
     launch_problem,
+    launch_record,
     raw_bcg_config,
 )
 from bcg_plugin.adapters.vllm.log import logger
@@ -102,7 +104,11 @@ def configure_engine(vllm_config: Any) -> None:
             changed.append(f"cudagraph_mode {before or 'default'} (vLLM's default) -> FULL_DECODE_ONLY")
             record["cudagraph_mode"] = [before or "default", "FULL_DECODE_ONLY"]
         cc.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-    vllm_config.additional_config = {**vllm_config.additional_config, LAUNCH_RECORD_KEY: record}
+    record["graphs"] = _name(cc.cudagraph_mode)
+    # A copy of the config (dataclasses.replace) starts again with nothing left to change: keep what
+    # the first start recorded.
+    vllm_config.additional_config = {**vllm_config.additional_config,
+                                     LAUNCH_RECORD_KEY: {**(launch_record(vllm_config) or {}), **record}}
     _log_once(
         "info", "bcg: prefill graphs enabled (%s); %s", cfg.to_dict(),
         "; ".join(changed) if changed else "launch flags already as needed",
@@ -131,9 +137,10 @@ def warn_declined(vllm_config: Any, reason: str) -> None:
         runs += "; decode keeps vLLM's FULL graphs"
     else:
         runs += f"; decode runs under cudagraph_mode={graphs}" + (" (eagerly)" if graphs == "NONE" else "")
-    record = (getattr(vllm_config, "additional_config", None) or {}).get(LAUNCH_RECORD_KEY) or {}
+    record = launch_record(vllm_config) or {}
     back = []
-    if record.get("cudagraph_mode") and record["cudagraph_mode"][0] != "NONE":
+    # Graphs vLLM turned off itself would stay off without bcg too.
+    if record.get("cudagraph_mode") and record["cudagraph_mode"][0] != "NONE" and graphs_turned_off(vllm_config) is None:
         back.append(f"{record['cudagraph_mode'][0]} graphs")
     if record.get("mode"):
         back.append("torch.compile")

@@ -15,7 +15,7 @@ from typing import Any
 
 from bcg_plugin import BcgCaptureError
 from bcg_plugin.adapters.vllm import version
-from bcg_plugin.adapters.vllm.config import LAUNCH_RECORD_KEY, bcg_config, launch_problem, prefill_graphs_wanted
+from bcg_plugin.adapters.vllm.config import bcg_config, launch_problem, launch_record, prefill_graphs_wanted
 from bcg_plugin.adapters.vllm.log import logger, route_core_logs
 from bcg_plugin.patches.vllm import GATE
 from bcg_plugin.versions import UNTESTED_ENV
@@ -118,7 +118,7 @@ def arm_runner_patches(vllm_config: Any) -> bool:
     graphs it turned off), and the engine runs without prefill graphs.
     """
     if not prefill_graphs_wanted(vllm_config):
-        if LAUNCH_RECORD_KEY in (getattr(vllm_config, "additional_config", None) or {}):
+        if launch_record(vllm_config) is not None:
             reason = launch_problem(vllm_config, bcg_config(vllm_config))
             if reason is not None:
                 from bcg_plugin.adapters.vllm.launch import warn_declined
