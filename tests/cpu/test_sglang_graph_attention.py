@@ -16,6 +16,7 @@ pytestmark = pytest.mark.sglang
 
 import sglang_fa3  # noqa: E402
 import torch  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from bcg_plugin import BcgConfig  # noqa: E402
 from bcg_plugin.adapters.sglang import graph_attention as ga  # noqa: E402
@@ -122,7 +123,8 @@ def batch(seq_lens, prefix_lens):
     return types.SimpleNamespace(
         batch_size=len(seq_lens), seq_lens=seq, seq_lens_cpu=seq.clone(), extend_prefix_lens=prefix,
         extend_seq_lens=seq - prefix, req_pool_indices=torch.arange(3, 3 + len(seq_lens)), seq_lens_sum=int(seq.sum()),
-        forward_mode="extend", extend_seq_lens_cpu=(seq - prefix).tolist(), extend_prefix_lens_cpu=prefix.tolist())
+        forward_mode=ForwardMode.EXTEND, extend_seq_lens_cpu=(seq - prefix).tolist(),
+        extend_prefix_lens_cpu=prefix.tolist())
 
 
 def test_the_padded_view_lands_the_requests_before_zero_length_ones_and_leaves_the_batch_alone():
@@ -214,18 +216,52 @@ def test_a_replay_waits_for_the_hierarchical_cache_to_load_every_layer_first():
     assert waited == [27] and len(planned) == 2
 
 
-def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
+@pytest.fixture(autouse=True)
+def no_expert_parallelism(monkeypatch):
+    """SGLang's question whether it masks padded MoE rows, answered as without expert parallelism
+    (it reads the parallel state, which no engine set up here)."""
+    import sglang.srt.model_executor.forward_batch_info as info
+
+    monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: False)
+
+
+def _capture_host(runner):
+    """An SglangHost over ``runner`` without a device."""
     from bcg_plugin.adapters.sglang.host import SglangHost
 
+    host = SglangHost.__new__(SglangHost)
+    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
+    host.stored_in_graph, host._real_rows = set(), None
+    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
+    return host
+
+
+@pytest.mark.parametrize("masks", [False, True])
+def test_the_capture_batch_carries_the_real_row_count_sglang_masks_padded_moe_rows_by(monkeypatch, masks):
+    runner = model_runner(context_len=100, max_req=6)
+    runner.attention_layers = []
+    runner.attn_backend.init_forward_metadata = lambda fb: None
+    import sglang.srt.model_executor.forward_batch_info as info
+
+    monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: masks)
+    host = _capture_host(runner)
+    first = host.bcg_dummy_batch(256, graph_attention=False, variant=None).payload.forward_batch
+    second = host.bcg_dummy_batch(64, graph_attention=False, variant=None).payload.forward_batch
+    if not masks:  # no expert parallelism: SGLang masks nothing, and neither does bcg
+        assert first.num_token_non_padded is None and host.land_real_rows(10) is None
+        return
+    # one device scalar every graph reads, as SGLang's own graphs keep one
+    assert second.num_token_non_padded is first.num_token_non_padded and int(first.num_token_non_padded) == 64
+    assert host.land_real_rows(10) is first.num_token_non_padded and int(first.num_token_non_padded) == 10
+
+
+def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():
     captured = []
     runner = model_runner(context_len=100, max_req=6)
     runner.attention_layers = []
     runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: captured.append(in_capture)
     runner.attn_backend.init_forward_metadata = lambda fb: captured.append("eager")
-    host = SglangHost.__new__(SglangHost)
-    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
-    host.stored_in_graph = set()
-    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
+    host = _capture_host(runner)
     assert host.bcg_graph_attention([256], "graph") == [256]
     fb = host.bcg_dummy_batch(256, graph_attention=True, variant=None).payload.forward_batch
     assert fb.batch_size == 6 and fb.seq_lens.tolist() == [100, 100, 56, 0, 0, 0]
@@ -285,6 +321,18 @@ def test_the_fresh_variant_needs_flashinfer_072_and_a_ragged_kernel_whose_plan_c
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
         assert graph.variants([16, 64]) == (None if why else {16: [ga.FRESH], 64: [ga.FRESH]})
     assert (graph.ragged is None) == bool(why) and (why is None or why in caplog.text)
+
+
+@pytest.mark.parametrize("mode, fits", [("EXTEND", True), ("MIXED", True), ("DLLM_EXTEND", False)])
+def test_a_graph_bucket_serves_extend_and_mixed_steps_only(mode, fits):
+    """SGLang's graph plan takes a diffusion model's steps as its decode runner's, whose metadata bcg
+    never captured: such a step replays in a bucket that breaks, as its eager plan."""
+    graph = ga.GraphAttention(model_runner(max_req=8), None, 8192, "cpu")
+    graph.choose([16, 64], "graph")
+    step = batch([9, 7], [0, 0])
+    step.forward_mode = getattr(ForwardMode, mode)
+    assert graph.fits(step) == fits
+    assert not graph.fits(batch([1] * 9, [0] * 9))  # more requests than the slots
 
 
 def test_releasing_the_variants_gives_back_the_ragged_wrapper_and_keeps_the_buckets_plan(monkeypatch):
@@ -355,15 +403,10 @@ def test_a_fresh_capture_plans_the_ragged_wrapper_and_runs_its_body_on_it(monkey
 
 
 def test_the_capture_batch_of_a_variant_says_which_variant_it_was_planned_for(monkeypatch):
-    from bcg_plugin.adapters.sglang.host import SglangHost
-
     runner = fresh_runner(monkeypatch)
     runner.attention_layers = []
     runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: None
-    host = SglangHost.__new__(SglangHost)
-    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
-    host.stored_in_graph = set()
-    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
+    host = _capture_host(runner)
     assert host.bcg_graph_attention([16, 64], "graph") == [16, 64]
     assert host.bcg_graph_variants([16, 64]) == {16: [ga.FRESH], 64: [ga.FRESH]}
     # through pluggy, as the core asks: an implementation gets only the arguments it takes without a default
@@ -607,20 +650,10 @@ def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_none(caplo
     assert "no 'fresh' variant: fa3" in caplog.text
 
 
-def fa3_host(runner):
-    from bcg_plugin.adapters.sglang.host import SglangHost
-
-    host = SglangHost.__new__(SglangHost)
-    host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
-    host.stored_in_graph = set()
-    host.graph = ga.GraphAttention(runner, None, 8192, host.device)
-    return host
-
-
 def test_fa3_capture_makes_sglangs_metadata_for_the_request_slots_and_replays_refill_it_in_place():
     runner = fa3_runner()
     backend = runner.attn_backend
-    host = fa3_host(runner)
+    host = _capture_host(runner)
     assert host.bcg_graph_attention([16, 32], "graph") == [16, 32]
     for bucket in (32, 16):
         host.bcg_dummy_batch(bucket, graph_attention=True, variant=None)
@@ -649,7 +682,7 @@ def test_fa3_plan_refuses_a_live_batch_not_padded_to_the_request_slots():
     """Control: SGLang's plan checks the request count it was captured for, so planning the live
     batch as it comes (not :meth:`RequestSlots.padded_view`) fails instead of misreading rows."""
     runner = fa3_runner()
-    host = fa3_host(runner)
+    host = _capture_host(runner)
     host.bcg_graph_attention([16], "graph")
     host.bcg_dummy_batch(16, graph_attention=True, variant=None)
     with pytest.raises(AssertionError, match="fixed request-slot count"):
@@ -659,7 +692,7 @@ def test_fa3_plan_refuses_a_live_batch_not_padded_to_the_request_slots():
 def test_fa3_release_drops_the_metadata_so_a_later_capture_makes_it_again():
     runner = fa3_runner()
     backend = runner.attn_backend
-    host = fa3_host(runner)
+    host = _capture_host(runner)
     host.bcg_graph_attention([16], "graph")
     host.bcg_dummy_batch(16, graph_attention=True, variant=None)
     first = backend.full_cg_prefill_metadata
@@ -675,7 +708,7 @@ def test_fa3_replays_plan_what_sglangs_own_full_graphs_plan():
     """SGLang's own full-graph replay (:func:`sglangs_full_replay`) and bcg's, each on a real fa3
     backend captured with the same batch, leave the same metadata for the kernels to read."""
     runner = fa3_runner()
-    host = fa3_host(runner)
+    host = _capture_host(runner)
     host.bcg_graph_attention([16], "graph")
     r = host.graph.request_slots
     capture = host.bcg_dummy_batch(16, graph_attention=True, variant=None).payload.forward_batch

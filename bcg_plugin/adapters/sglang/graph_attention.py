@@ -367,8 +367,11 @@ class GraphAttention:
         return 0 if self.slots is None else self.slots.r
 
     def fits(self, fb: Any) -> bool:
-        """Whether ``fb``'s requests fit the request slots of a graph bucket."""
-        return self.slots is not None and int(fb.batch_size) <= self.slots.r
+        """Whether ``fb`` is a step a graph bucket's plan serves: an extend or mixed step (SGLang's
+        graph plan takes a diffusion model's steps as its decode runner's) whose requests fit the
+        request slots."""
+        return (self.slots is not None and getattr(fb.forward_mode, "name", None) in ("EXTEND", "MIXED")
+                and int(fb.batch_size) <= self.slots.r)
 
     def plan_capture(self, fb: Any, variant: str | None = None) -> None:
         """Plan a graph bucket's capture batch into the wrappers its replays refill: the paged

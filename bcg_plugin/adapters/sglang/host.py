@@ -41,6 +41,25 @@ class SglangHost:
         self._dp_counts: dict[int, torch.Tensor] = {}
         self.graph = GraphAttention(model_runner, self._dp, chunk, self.device)
         self.stored_in_graph: set[int] = set()  # layers whose captured segment stores the KV cache
+        # SGLang's count of a step's real rows (num_token_non_padded), which its MoE routing masks the
+        # padded rows by; one device scalar every graph reads, made at the first capture where SGLang
+        # masks (expert parallelism), else None.
+        self._real_rows: torch.Tensor | None = None
+
+    def land_real_rows(self, num_tokens: int) -> torch.Tensor | None:
+        """Set the count of real rows the graphs' MoE routing reads to ``num_tokens``, so a padded
+        replay routes no padding row to an expert (nor counts it for expert load balancing), as
+        SGLang's own graphs do; ``None`` where SGLang masks no padded rows."""
+        if self._real_rows is not None:
+            self._real_rows.fill_(num_tokens)
+        return self._real_rows
+
+    def _real_rows_for_capture(self, num_tokens: int) -> torch.Tensor | None:
+        from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
+
+        if self._real_rows is None and enable_num_token_non_padded():
+            self._real_rows = torch.zeros((), dtype=torch.int32, device=self.device)
+        return self.land_real_rows(num_tokens)
 
     @property
     def dp_ranks(self) -> int | None:
@@ -121,6 +140,7 @@ class SglangHost:
             capture_hidden_mode=CaptureHiddenMode.NULL,
             global_forward_mode=ForwardMode.EXTEND,
             **{_non_padded_field(ForwardBatch): num_tokens},
+            num_token_non_padded=self._real_rows_for_capture(num_tokens),
             **dp,
         )
         # Planned once per bucket; every replay plans its own live batch instead.
