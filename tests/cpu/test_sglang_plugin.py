@@ -242,12 +242,37 @@ def test_decode_context_parallelism_is_read_where_the_release_keeps_it(monkeypat
     assert eligibility.runner_reason(_eligible_runner()) == "decode context parallelism"
 
 
-def _eligible_runner(**server_args):
+def _eligible_runner(tp=1, **server_args):
     """A runner that passes every check of ``runner_reason`` before decode context parallelism."""
+    settings = dict(enable_lora=False, enable_memory_saver=False, enable_return_hidden_states=False,
+                    enable_symm_mem=False)
     return types.SimpleNamespace(
-        server_args=types.SimpleNamespace(enable_lora=False, enable_memory_saver=False, **server_args),
+        server_args=types.SimpleNamespace(**{**settings, **server_args}),
         is_draft_worker=False, spec_algorithm=types.SimpleNamespace(is_none=lambda: True),
-        pp_group=types.SimpleNamespace(world_size=1), model_config=types.SimpleNamespace(is_multimodal=False))
+        pp_group=types.SimpleNamespace(world_size=1), model_config=types.SimpleNamespace(is_multimodal=False),
+        tp_group=types.SimpleNamespace(world_size=tp))
+
+
+@pytest.mark.parametrize("settings, tp, reason", [
+    ({"enable_return_hidden_states": True}, 1, "a server that returns hidden states"),
+    ({"return_hidden_states_mode": "last"}, 1, "a server that returns hidden states"),  # 0.5.23's setting
+    ({"enable_symm_mem": True}, 2, "NCCL symmetric memory (--enable-symm-mem)"),
+    ({"enable_symm_mem": True}, 1, None),  # one rank: SGLang's allocator stays out of the way
+    ({}, 2, None),
+])
+def test_settings_under_which_bcgs_graphs_would_never_replay_or_capture_keep_it_off(monkeypatch, settings, tp,
+                                                                                  reason):
+    from sglang.srt import runtime_context
+
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
+    monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
+    monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)  # 0.5.17/0.5.18: the record
+    runner = _eligible_runner(tp=tp, **settings)
+    runner.is_generation = False  # the check after: reached only where these let the runner through
+    got = eligibility.runner_reason(runner)
+    assert got == "embedding/reward model" if reason is None else got.startswith(reason)
 
 
 @pytest.mark.parametrize("saver, graphs_env, declined", [
@@ -292,7 +317,7 @@ def vote_runner(sizes=(16, 32, 64), ratio=None, dp_ranks=None):
     core._graphs = {b: None for b in core.buckets}
     runner = object.__new__(BcgPrefillRunner)
     runner.core = core
-    runner.host = types.SimpleNamespace(dp_ranks=dp_ranks)
+    runner.host = types.SimpleNamespace(dp_ranks=dp_ranks, land_real_rows=lambda num_tokens: None)
     runner.stats_reporter = StatsReporter(core.stats, logger=logging.getLogger("bcg_plugin.sglang"), interval_s=0)
     runner._planned = None
     runner._unknown_kwargs_logged = False
@@ -468,7 +493,8 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
     r = graph_attention_runner({16}, slots=2)
     r.core.graph_variants = {16: ("fresh",)}  # the fresh variant was captured
     r.host.forward_pass = lambda fb, kwargs: None
-    planned, replayed = [], []
+    planned, replayed, real_rows = [], [], []
+    r.host.land_real_rows = real_rows.append
     r._plan_attention = lambda fb, bucket, variant=None: planned.append((bucket, variant))
     r.core.replay = lambda bucket, batch, variant=None: replayed.append((bucket, variant))
     for prefixes, tokens in (([0, 0], 12), ([0, 5], 12), ([0, 0], 30)):
@@ -484,6 +510,7 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
     assert r.can_run_graph(fb)
     r.execute(fb)
     assert replayed[-1] == (16, None)
+    assert real_rows == [12, 12, 30, 12]  # every replay lands its own count of real rows for the MoE routing mask
 
 
 def test_execute_refuses_a_batch_it_did_not_plan():
@@ -643,24 +670,31 @@ LAUNCH_WITH_BCG = textwrap.dedent(
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import prepare_server_args
-    prepare_server_args(["--model-path", sys.argv[1], "--skip-tokenizer-init", "--load-format", "dummy",
-                         "--device", "cpu", "--cuda-graph-backend-prefill", "bcg"])
+    args = prepare_server_args(["--model-path", sys.argv[1], "--skip-tokenizer-init", "--load-format", "dummy",
+                                "--device", "cpu", "--cuda-graph-backend-prefill", "bcg", *sys.argv[2:]])
+    if hasattr(args, "resolve_once"):  # from 0.5.19 the launch resolves the arguments in a step of its own
+        args.resolve_once()
     print("LAUNCHED")
     """
 )
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"BCG_SIZES": "16,,x"}, "BCG_SIZES must be positive integers separated by commas"),
-    ({"BCG_MAX_TOKENS": "0"}, "BCG_MAX_TOKENS=0 disables it"),
-    ({"BCG_ENABLE": "maybe"}, "'enable' must be true or false, got 'maybe'"),  # before the flag sets it
-    ({}, None),
+@pytest.mark.parametrize("env, args, message", [
+    ({"BCG_SIZES": "16,,x"}, [], "BCG_SIZES must be positive integers separated by commas"),
+    ({"BCG_MAX_TOKENS": "0"}, [], "BCG_MAX_TOKENS=0 disables it"),
+    ({"BCG_ENABLE": "maybe"}, [], "'enable' must be true or false, got 'maybe'"),  # before the flag sets it
+    # SGLang's own breakable runner refuses this too, later, with a traceback
+    ({"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}, ["--enable-memory-saver"], "--cuda-graph-backend-prefill full"),
+    ({}, ["--enable-memory-saver"], None),  # no graph memory released: bcg runs
+    ({}, [], None),
 ])
-def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, env, message):
+def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, env, args, message):
     full = {k: v for k, v in os.environ.items() if not k.startswith("BCG_")}
     full.update(env, PYTHONWARNINGS="ignore", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH"))
                                                                            if p))
-    proc = subprocess.run([sys.executable, "-c", LAUNCH_WITH_BCG, model_dir], env=full, capture_output=True,
+    full.pop("SGLANG_MEMORY_SAVER_CUDA_GRAPH", None)
+    full.update(env)
+    proc = subprocess.run([sys.executable, "-c", LAUNCH_WITH_BCG, model_dir, *args], env=full, capture_output=True,
                           text=True, timeout=600)
     if message is None:
         assert proc.returncode == 0 and "LAUNCHED" in proc.stdout, proc.stderr[-3000:]

@@ -42,9 +42,9 @@ def memory_saver_note(environ: Mapping[str, str]) -> str | None:
 
     if environ.get(MEMORY_SAVER_GRAPHS_ENV, "").lower() not in ("1", "true"):
         return None
-    return (f"{MEMORY_SAVER_GRAPHS_ENV} is set: with --enable-memory-saver SGLang releases CUDA-graph memory and "
-            "bcg stays off (its graphs are outside the saver's regions); SGLang's 'full' prefill graphs serve that "
-            "setting")
+    return (f"{MEMORY_SAVER_GRAPHS_ENV} is set: with --enable-memory-saver SGLang releases CUDA-graph memory, and "
+            "the start refuses bcg (its graphs are outside the saver's regions); SGLang's 'full' prefill graphs "
+            "serve that setting")
 
 
 def attention_scope(config: BcgConfig) -> str:

@@ -32,6 +32,15 @@ def runner_reason(model_runner: Any) -> str | None:
         return ("SGLang's memory saver releases CUDA-graph memory (enable_memory_saver with "
                 "SGLANG_MEMORY_SAVER_CUDA_GRAPH) and bcg's graphs are not in its regions; run prefill graphs with "
                 "--cuda-graph-backend-prefill full, or unset SGLANG_MEMORY_SAVER_CUDA_GRAPH")
+    if _setting(server_args, "enable_return_hidden_states", "features") or \
+            _setting(server_args, "return_hidden_states_mode", "features"):
+        # Every batch then asks for hidden states, which bcg's graphs do not return: none would replay.
+        return "a server that returns hidden states (--enable-return-hidden-states, --return-hidden-states-mode)"
+    from bcg_plugin.adapters.sglang.host import tp_group
+
+    if _setting(server_args, "enable_symm_mem", "comm") and tp_group(model_runner).world_size > 1:
+        # Its allocator, entered by every row-parallel layer, needs SGLang's own graph pool while capturing.
+        return "NCCL symmetric memory (--enable-symm-mem) at tensor parallelism above 1"
     if model_runner.is_draft_worker:
         return "speculative draft worker"
     if not model_runner.spec_algorithm.is_none():
@@ -73,6 +82,17 @@ def layers_reason(model_runner: Any, layer_model: Any) -> str | None:
     return None
 
 
+def _setting(server_args: Any, name: str, section: str) -> Any:
+    """A resolved setting of ``get_exec()``'s ``section`` (as :func:`published` reads it), or ``None``
+    where this SGLang has no such setting."""
+    from bcg_plugin.adapters.sglang.replay import published
+
+    try:
+        return published("exec", name, server_args, section=section)
+    except AttributeError:
+        return None
+
+
 def _memory_saver_pauses_graphs(server_args: Any) -> bool:
     """Whether SGLang's memory saver releases CUDA-graph memory (``release_memory_occupation`` with
     the ``cuda_graph`` tag), as SGLang's own graph backends read it. bcg's graphs live in its own
@@ -80,10 +100,7 @@ def _memory_saver_pauses_graphs(server_args: Any) -> bool:
     breakable runner refuses that setting too."""
     from sglang.srt.utils import get_bool_env_var
 
-    from bcg_plugin.adapters.sglang.replay import published
-
-    return bool(published("exec", "enable_memory_saver", server_args, section="features")) and \
-        get_bool_env_var(MEMORY_SAVER_GRAPHS_ENV)
+    return bool(_setting(server_args, "enable_memory_saver", "features")) and get_bool_env_var(MEMORY_SAVER_GRAPHS_ENV)
 
 
 def _dcp_size(model_runner: Any) -> int:
