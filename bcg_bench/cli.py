@@ -230,9 +230,9 @@ def _report(args: argparse.Namespace) -> int:
                 written = harness.render(path)
         except KeyError as e:
             args.parser.error(f"{path} is not a complete bcg bench result: it lacks the key {e}")
-        except (TypeError, ValueError, AttributeError, IndexError) as e:  # a field of another shape
-            args.parser.error(f"{path} does not read as the result bcg bench wrote (changed since?): "
-                              f"{type(e).__name__}: {e}")
+        except (TypeError, ValueError, AttributeError, IndexError) as e:  # a field of another shape, most likely
+            args.parser.error(f"cannot draw {path} ({type(e).__name__}: {e}); a field may have a shape bcg bench "
+                              "does not write: was the file changed?")
         for p in written:
             print(p)
     return 0

@@ -182,11 +182,16 @@ def config_env_names() -> set[str]:
     return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BcgConfig)}
 
 
+# How a boolean reads as text (environment variables, JSON strings).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _bool(v: Any, key: str, source: str) -> bool:
     if isinstance(v, bool):
         return v
-    if isinstance(v, str) and v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return v.lower() in ("1", "true", "yes", "on")
+    if isinstance(v, str) and v.lower() in TRUE_WORDS + FALSE_WORDS:
+        return v.lower() in TRUE_WORDS
     if isinstance(v, int) and v in (0, 1):
         return bool(v)
     raise BcgConfigError(f"{source}: {key!r} must be true or false, got {v!r}")
@@ -217,7 +222,7 @@ def _env_sizes(text: str, name: str) -> list[str]:
     if not text:
         return []
     items = [item.strip() for item in text.split(",")]
-    if not all(item.isdigit() for item in items):
+    if not all(item.isdecimal() and item.isascii() for item in items):
         raise BcgConfigError(f"environment (BCG_*): {name} must be positive integers separated by commas "
                              f"(e.g. {name}=16,32,64), got {text!r}")
     return items

@@ -28,7 +28,8 @@ class BcgVersionError(BcgError):
 def one_line_if_uncaught() -> None:
     """Where a :class:`BcgConfigError` ends the program uncaught (an engine's command line started with
     a bad value), print it as the one line it is instead of a traceback; the exit status stays 1.
-    A program that catches it, and every other exception, is left as it was. Installed once."""
+    The hook acts on nothing else: a program that catches the error sees it as before, and every
+    other exception ends the program as it would have. Installed once."""
     import sys
 
     previous = sys.excepthook

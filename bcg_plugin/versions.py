@@ -60,10 +60,12 @@ UNTESTED_ENV = "BCG_ALLOW_UNTESTED_HOST"
 def _opted_in() -> bool | None:
     """Whether :data:`UNTESTED_ENV` says yes, read as the configuration's booleans are; ``None`` for a
     value that is neither."""
+    from bcg_plugin.config import FALSE_WORDS, TRUE_WORDS
+
     value = os.environ.get(UNTESTED_ENV, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in TRUE_WORDS:
         return True
-    return False if value in ("", "0", "false", "no", "off") else None
+    return False if value in ("", *FALSE_WORDS) else None
 
 
 class HostGate:
