@@ -189,8 +189,9 @@ def run(config_json: str | None, engines: list[str], out=sys.stdout, environ: Ma
         elif config is None:
             say("  -> the configuration is not checked: this adapter has no check")
         elif config.enable and not config.active:
-            say("  -> the plugin is enabled but captures nothing: 'max_tokens' (BCG_MAX_TOKENS) is 0; drop it "
-                "(or raise it) to replay prefill graphs")
+            key = "BCG_MAX_TOKENS" if ENV_PREFIX in check.source else "'max_tokens'"
+            say(f"  -> the plugin is enabled but captures nothing: {key} is 0; drop it (or raise it) to replay "
+                "prefill graphs")
         elif not config.active:
             say(f"  -> the plugin is installed but off; enable it with {report.enable_hint}")
         else:

@@ -260,16 +260,25 @@ def _eligible_runner(tp=1, **server_args):
     ({"enable_symm_mem": True}, 1, None),  # one rank: SGLang's allocator stays out of the way
     ({}, 2, None),
 ])
+@pytest.mark.parametrize("published", [False, True])
 def test_settings_under_which_bcgs_graphs_would_never_replay_or_capture_keep_it_off(monkeypatch, settings, tp,
-                                                                                  reason):
+                                                                                  reason, published):
     from sglang.srt import runtime_context
 
     import sglang.srt.model_executor.cuda_graph_config as graph_config
 
     monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
     monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
-    monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)  # 0.5.17/0.5.18: the record
-    runner = _eligible_runner(tp=tp, **settings)
+    if published:  # 0.5.19 on: resolved in get_exec()'s sections, which the record (all off here) may not show
+        names = {"features": ("enable_return_hidden_states", "return_hidden_states_mode", "enable_memory_saver"),
+                 "comm": ("enable_symm_mem",)}
+        bag = types.SimpleNamespace(**{section: types.SimpleNamespace(**{n: settings.get(n) for n in fields})
+                                       for section, fields in names.items()})
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: bag, raising=False)
+        runner = _eligible_runner(tp=tp)
+    else:  # 0.5.17/0.5.18: the record
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)
+        runner = _eligible_runner(tp=tp, **settings)
     runner.is_generation = False  # the check after: reached only where these let the runner through
     got = eligibility.runner_reason(runner)
     assert got == "embedding/reward model" if reason is None else got.startswith(reason)

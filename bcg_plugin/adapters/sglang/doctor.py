@@ -43,8 +43,8 @@ def memory_saver_note(environ: Mapping[str, str]) -> str | None:
     if environ.get(MEMORY_SAVER_GRAPHS_ENV, "").lower() not in ("1", "true"):
         return None
     return (f"{MEMORY_SAVER_GRAPHS_ENV} is set: with --enable-memory-saver SGLang releases CUDA-graph memory, and "
-            "the start refuses bcg (its graphs are outside the saver's regions); SGLang's 'full' prefill graphs "
-            "serve that setting")
+            "bcg does not run (its graphs are outside the saver's regions): a start with the bcg flag stops in one "
+            "line, one with BCG_ENABLE=1 declines in a log line; SGLang's 'full' prefill graphs serve that setting")
 
 
 def attention_scope(config: BcgConfig) -> str:
