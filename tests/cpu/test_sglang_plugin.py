@@ -253,6 +253,30 @@ def _eligible_runner(tp=1, **server_args):
         tp_group=types.SimpleNamespace(world_size=tp))
 
 
+def _runner_reason(monkeypatch, settings, *, tp=1, published):
+    """``runner_reason`` for a runner whose server has ``settings``: as SGLang 0.5.19 on publishes them
+    in ``get_exec()``'s sections, whose record may not show them (``published``), or in the record
+    alone (0.5.17/0.5.18). Every other check passes, up to the embedding-model one, which fails."""
+    from sglang.srt import runtime_context
+
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+
+    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
+    monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
+    if published:
+        names = {"features": ("enable_return_hidden_states", "return_hidden_states_mode", "enable_memory_saver"),
+                 "comm": ("enable_symm_mem",)}
+        bag = types.SimpleNamespace(**{section: types.SimpleNamespace(**{n: settings.get(n) for n in fields})
+                                       for section, fields in names.items()})
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: bag, raising=False)
+        runner = _eligible_runner(tp=tp)
+    else:
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)
+        runner = _eligible_runner(tp=tp, **settings)
+    runner.is_generation = False  # the check after: reached only where these settings let the runner through
+    return eligibility.runner_reason(runner)
+
+
 @pytest.mark.parametrize("settings, tp, reason", [
     ({"enable_return_hidden_states": True}, 1, "a server that returns hidden states"),
     ({"return_hidden_states_mode": "last"}, 1, "a server that returns hidden states"),  # 0.5.23's setting
@@ -263,24 +287,7 @@ def _eligible_runner(tp=1, **server_args):
 @pytest.mark.parametrize("published", [False, True])
 def test_settings_under_which_bcgs_graphs_would_never_replay_or_capture_keep_it_off(monkeypatch, settings, tp,
                                                                                   reason, published):
-    from sglang.srt import runtime_context
-
-    import sglang.srt.model_executor.cuda_graph_config as graph_config
-
-    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
-    monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
-    if published:  # 0.5.19 on: resolved in get_exec()'s sections, which the record (all off here) may not show
-        names = {"features": ("enable_return_hidden_states", "return_hidden_states_mode", "enable_memory_saver"),
-                 "comm": ("enable_symm_mem",)}
-        bag = types.SimpleNamespace(**{section: types.SimpleNamespace(**{n: settings.get(n) for n in fields})
-                                       for section, fields in names.items()})
-        monkeypatch.setattr(runtime_context, "get_exec", lambda: bag, raising=False)
-        runner = _eligible_runner(tp=tp)
-    else:  # 0.5.17/0.5.18: the record
-        monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)
-        runner = _eligible_runner(tp=tp, **settings)
-    runner.is_generation = False  # the check after: reached only where these let the runner through
-    got = eligibility.runner_reason(runner)
+    got = _runner_reason(monkeypatch, settings, tp=tp, published=published)
     assert got == "embedding/reward model" if reason is None else got.startswith(reason)
 
 
@@ -292,26 +299,11 @@ def test_settings_under_which_bcgs_graphs_would_never_replay_or_capture_keep_it_
 @pytest.mark.parametrize("published", [False, True])
 def test_a_memory_saver_that_releases_graph_memory_keeps_bcg_off(monkeypatch, saver, graphs_env, declined, published):
     """SGLang's memory saver pauses graph memory only in its own regions: bcg's graphs would stay resident."""
-    from sglang.srt import runtime_context
-
-    import sglang.srt.model_executor.cuda_graph_config as graph_config
-
-    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
-    monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
     if graphs_env is None:
         monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     else:
         monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", graphs_env)
-    if published:  # 0.5.19 on: the resolved value is in get_exec().features, the record keeps the input
-        bag = types.SimpleNamespace(features=types.SimpleNamespace(enable_memory_saver=saver))
-        monkeypatch.setattr(runtime_context, "get_exec", lambda: bag, raising=False)
-        runner = _eligible_runner()
-    else:
-        monkeypatch.setattr(runtime_context, "get_exec", lambda: 1 / 0, raising=False)
-        runner = _eligible_runner()
-        runner.server_args.enable_memory_saver = saver
-    runner.is_generation = False  # the check after: reached only where the memory saver let the runner through
-    reason = eligibility.runner_reason(runner)
+    reason = _runner_reason(monkeypatch, {"enable_memory_saver": saver}, published=published)
     if declined:
         assert "memory saver" in reason and "--cuda-graph-backend-prefill full" in reason
     else:
