@@ -3,7 +3,6 @@ the configuration as engine start reads it (the ``BCG_*`` environment only)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,18 +28,18 @@ def diagnose() -> AdapterReport:
         report.problems.append(problem)
     report.untested = version.untested()
     report.verify_targets(_patch_set(runtime=True), calls())
-    note = memory_saver_note(os.environ)
+    note = memory_saver_note()
     if note is not None:
         report.notes.append(note)
     return report
 
 
-def memory_saver_note(environ: Mapping[str, str]) -> str | None:
+def memory_saver_note() -> str | None:
     """What SGLang's memory saver, set to release graph memory, does to bcg (see
     :func:`~bcg_plugin.adapters.sglang.eligibility.runner_reason`)."""
-    from bcg_plugin.adapters.sglang.eligibility import MEMORY_SAVER_GRAPHS_ENV
+    from bcg_plugin.adapters.sglang.eligibility import MEMORY_SAVER_GRAPHS_ENV, memory_saver_releases_graphs
 
-    if environ.get(MEMORY_SAVER_GRAPHS_ENV, "").lower() not in ("1", "true"):
+    if not memory_saver_releases_graphs(enabled=True):  # the variable alone; the flag is the engine's
         return None
     return (f"{MEMORY_SAVER_GRAPHS_ENV} is set: with --enable-memory-saver SGLang releases CUDA-graph memory, and "
             "bcg does not run (its graphs are outside the saver's regions): a start with the bcg flag stops in one "

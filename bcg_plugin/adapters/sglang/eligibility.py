@@ -28,7 +28,7 @@ def runner_reason(model_runner: Any) -> str | None:
 
         backend = prefill_graph_config(model_runner).backend
         return f"SGLang resolved the prefill graph backend to {backend!r}; bcg replaces 'breakable' only"
-    if _memory_saver_pauses_graphs(server_args):
+    if memory_saver_releases_graphs(_setting(server_args, "enable_memory_saver", "features")):
         return ("SGLang's memory saver releases CUDA-graph memory (enable_memory_saver with "
                 "SGLANG_MEMORY_SAVER_CUDA_GRAPH) and bcg's graphs are not in its regions; run prefill graphs with "
                 "--cuda-graph-backend-prefill full, or unset SGLANG_MEMORY_SAVER_CUDA_GRAPH")
@@ -93,14 +93,14 @@ def _setting(server_args: Any, name: str, section: str) -> Any:
         return None
 
 
-def _memory_saver_pauses_graphs(server_args: Any) -> bool:
-    """Whether SGLang's memory saver releases CUDA-graph memory (``release_memory_occupation`` with
-    the ``cuda_graph`` tag), as SGLang's own graph backends read it. bcg's graphs live in its own
-    pool, outside the saver's regions, so such a release would leave them resident; SGLang's own
-    breakable runner refuses that setting too."""
+def memory_saver_releases_graphs(enabled: Any) -> bool:
+    """Whether SGLang's memory saver, where ``enabled``, releases CUDA-graph memory
+    (``release_memory_occupation`` with the ``cuda_graph`` tag), as SGLang's own graph backends read
+    it. bcg's graphs live in its own pool, outside the saver's regions, so such a release would leave
+    them resident; SGLang's own breakable runner refuses that setting too."""
     from sglang.srt.utils import get_bool_env_var
 
-    return bool(_setting(server_args, "enable_memory_saver", "features")) and get_bool_env_var(MEMORY_SAVER_GRAPHS_ENV)
+    return bool(enabled) and get_bool_env_var(MEMORY_SAVER_GRAPHS_ENV)
 
 
 def _dcp_size(model_runner: Any) -> int:

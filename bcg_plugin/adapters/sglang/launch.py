@@ -7,7 +7,7 @@ import os
 
 from bcg_plugin import BcgConfigError
 from bcg_plugin.adapters.sglang import config
-from bcg_plugin.adapters.sglang.eligibility import MEMORY_SAVER_GRAPHS_ENV
+from bcg_plugin.adapters.sglang.eligibility import MEMORY_SAVER_GRAPHS_ENV, memory_saver_releases_graphs
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
@@ -40,9 +40,7 @@ def translate_server_args(args) -> None:
         os.environ[config.ENABLE_ENV] = "1"
         _set_by_flag = True
         cfg = config.read_config()
-        from sglang.srt.utils import get_bool_env_var
-
-        if getattr(args, "enable_memory_saver", False) and get_bool_env_var(MEMORY_SAVER_GRAPHS_ENV):
+        if memory_saver_releases_graphs(getattr(args, "enable_memory_saver", False)):
             raise BcgConfigError(
                 f"--cuda-graph-backend-prefill {config.FLAG_VALUE} with --enable-memory-saver and "
                 f"{MEMORY_SAVER_GRAPHS_ENV} set: the memory saver releases CUDA-graph memory only in its own "
