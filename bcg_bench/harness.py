@@ -39,9 +39,9 @@ ENGINES = {
              "modes": ["eager", "native", "native_ladder", "compile", "full", "full_plain", "bcg", "bcg_break",
                        "bcg_graph", "bcg_compile", "bcg_compile_graph"]},
     "sglang": {"module": "bcg_bench.sglang_mode", "package": "sglang", "profiles_workers": True,
-               "modes": ["disabled", "native", "full", "bcg", "bcg_break", "bcg_graph", "bcg_variants"],
-               # bcg_break and bcg_graph are bcg with attention fixed in every bucket, bcg_variants bcg
-               # with its graph variants: run when named.
+               "modes": ["disabled", "native", "full", "bcg", "bcg_break", "bcg_graph", "bcg_one_graph"],
+               # bcg_break and bcg_graph are bcg with attention fixed in every bucket, bcg_one_graph bcg
+               # without its graph variants: run when named.
                "default_modes": ["disabled", "native", "full", "bcg"],
                # Every mode of a run uses one: SGLang's full prefill graphs need a backend that can
                # capture plain extend batches (0.5.23's triton backend cannot; flashinfer and fa3 can).

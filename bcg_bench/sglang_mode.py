@@ -4,8 +4,8 @@ Modes: ``disabled`` (eager prefill), ``native`` (SGLang's breakable runner, its 
 ``full`` (SGLang's full prefill graphs, attention inside the graph), ``tc_piecewise`` (torch.compile
 piecewise graphs; SGLang removed it in 0.5.22), ``bcg`` (bcg's default, ``BCG_ATTENTION=auto``),
 ``bcg_break`` and ``bcg_graph`` (bcg with attention an eager break, or inside its graphs where the
-backend allows it, in every bucket: ``BCG_ATTENTION=break`` and ``graph``), ``bcg_variants`` (the
-default with the graph buckets' variants captured too, ``BCG_GRAPH_VARIANTS=1``). Per N: the median end-to-end
+backend allows it, in every bucket: ``BCG_ATTENTION=break`` and ``graph``), ``bcg_one_graph`` (the
+default with each bucket one graph, its graph variants not captured, ``BCG_GRAPH_VARIANTS=0``). Per N: the median end-to-end
 ``Engine.generate`` time of one request of N prompt tokens and one output token (radix cache off),
 the median CUDA-event time of its prefill forward, the median wall time of the worker's step
 around it (forward and sampling, ``step_ms``), and the rest of the request's time in phases
@@ -17,8 +17,8 @@ schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); s
 A ``bcg`` engine in which some scheduler's capture record shows SGLang's own runner, or bcg's with no
 bucket captured, ends the process with one line before any request: its figures would be SGLang's;
 so does a ``bcg_graph`` engine whose buckets all kept attention an eager break (its figures would be
-``bcg_break``'s), a ``bcg_break`` engine with a bucket that kept it inside, or a ``bcg_variants``
-engine that captured no variant (its figures would be ``bcg``'s).
+``bcg_break``'s), a ``bcg_break`` engine with a bucket that kept it inside, or a ``bcg_one_graph``
+engine that captured a variant.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV
 
 MODES = {"disabled": "disabled", "native": "breakable", "full": "full", "tc_piecewise": "tc_piecewise", "bcg": "bcg",
-         "bcg_break": "bcg", "bcg_graph": "bcg", "bcg_variants": "bcg"}
+         "bcg_break": "bcg", "bcg_graph": "bcg", "bcg_one_graph": "bcg"}
 # bcg's ``attention`` setting per bcg mode (the environment its schedulers inherit).
-ATTENTION = {"bcg": "auto", "bcg_break": "break", "bcg_graph": "graph", "bcg_variants": "auto"}
-# The bcg modes that capture the graph buckets' variants (``graph_variants``).
-VARIANTS = {"bcg_variants"}
+ATTENTION = {"bcg": "auto", "bcg_break": "break", "bcg_graph": "graph", "bcg_one_graph": "auto"}
+# The bcg modes that leave the graph buckets' variants out (``graph_variants`` off).
+ONE_GRAPH = {"bcg_one_graph"}
 # Modes an SGLang release no longer has: (first release without it, what to run instead).
 RETIRED = {"tc_piecewise": ("0.5.22", "full or native")}
 
@@ -62,11 +62,11 @@ def mode_problem(mode: str, installed: str | None) -> str | None:
     return f"mode {mode!r}: SGLang removed it in {gone} (installed: {installed}); run {instead}"
 
 
-def bcg_problem(captures: list[dict], attention: str = "auto", variants: bool = False) -> str | None:
+def bcg_problem(captures: list[dict], attention: str = "auto", one_graph: bool = False) -> str | None:
     """Why a bcg engine's figures would not be its mode's (``captures``: its schedulers' capture
     records), or ``None``: every scheduler must have built bcg's runner and captured a bucket, and
     under ``attention`` ``"graph"`` kept attention inside the graph in at least one, under
-    ``"break"`` in none; with ``variants``, captured a variant of at least one."""
+    ``"break"`` in none; with ``one_graph``, captured no variant."""
     if not captures:
         return "no scheduler recorded a prefill-graph capture, so bcg's runner never ran"
     for c in captures:
@@ -80,9 +80,9 @@ def bcg_problem(captures: list[dict], attention: str = "auto", variants: bool = 
         elif attention == "break" and c.get("bcg_graph_attention_buckets"):
             return (f"on rank {c.get('rank', 0)} some buckets kept attention inside the graph, so the figures "
                     "would not be bcg_break's")
-        elif variants and not c.get("bcg_graph_variants"):
-            return (f"on rank {c.get('rank', 0)} no bucket was captured as a variant, so the figures would be "
-                    "bcg's; the scheduler log's 'bcg' line says why")
+        elif one_graph and c.get("bcg_graph_variants"):
+            return (f"on rank {c.get('rank', 0)} some buckets were captured as a variant too, so the figures "
+                    "would be bcg's")
         else:
             continue
         return (f"on rank {c.get('rank', 0)} {what}, so the figures would be SGLang's without bcg; the "
@@ -155,7 +155,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
     chunk = max(max(sizes), 16)
     if mode in ATTENTION:  # this process runs one mode: its schedulers inherit the settings
         os.environ["BCG_ATTENTION"] = ATTENTION[mode]
-        os.environ["BCG_GRAPH_VARIANTS"] = "1" if mode in VARIANTS else "0"
+        os.environ["BCG_GRAPH_VARIANTS"] = "0" if mode in ONE_GRAPH else "1"
     t0 = time.perf_counter()
     engine = sglang_timers.start_engine(
         record,
@@ -172,7 +172,7 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
         enable_dp_attention=dp > 1,
     )
     init_s = time.perf_counter() - t0
-    problem = (bcg_problem(_records(record, "capture"), ATTENTION[mode], mode in VARIANTS)
+    problem = (bcg_problem(_records(record, "capture"), ATTENTION[mode], mode in ONE_GRAPH)
                if mode in ATTENTION else None)
     if problem is not None:  # the schedulers wrote their capture records before the engine came up
         engine.shutdown()

@@ -117,9 +117,9 @@ def _vllm_targets(mode: str) -> list[Target]:
 
 # The SGLang adapter's configurations: ``bcg`` (the default, attention ``auto``: inside the graph in
 # small buckets where the backend allows it), ``bcg_graph`` (inside the graph in every bucket) and
-# ``bcg_variants`` (the default with the graph buckets' variants).
+# ``bcg_one_graph`` (the default without the graph buckets' variants).
 SGLANG_CONFIGURATIONS = {"bcg": "attention auto, the default", "bcg_graph": "BCG_ATTENTION=graph",
-                         "bcg_variants": "BCG_GRAPH_VARIANTS=1"}
+                         "bcg_one_graph": "BCG_GRAPH_VARIANTS=0"}
 
 
 def _sglang_targets(mode: str) -> list[Target]:

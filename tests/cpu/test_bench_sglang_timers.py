@@ -236,8 +236,9 @@ def _capture_result(runner: str, buckets: int | None, graph_attention=(), varian
     ("bcg_break", [("BcgPrefillRunner", 56, [16, 32])], "some buckets kept attention inside the graph"),
     ("bcg_graph", [("BcgPrefillRunner", 56, [16, 32])], None),
     ("bcg_graph", [("BcgPrefillRunner", 56)], "every bucket kept attention an eager break"),
-    ("bcg_variants", [("BcgPrefillRunner", 56, [16, 32], {16: ("fresh",), 32: ("fresh",)})], None),
-    ("bcg_variants", [("BcgPrefillRunner", 56, [16, 32])], "no bucket was captured as a variant"),
+    ("bcg", [("BcgPrefillRunner", 56, [16, 32], {16: ("fresh",), 32: ("fresh",)})], None),
+    ("bcg_one_graph", [("BcgPrefillRunner", 56, [16, 32])], None),
+    ("bcg_one_graph", [("BcgPrefillRunner", 56, [16, 32], {16: ("fresh",)})], "captured as a variant too"),
 ])
 def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sglang(monkeypatch, tmp_path, mode,
                                                                                      captured, problem):
@@ -267,15 +268,15 @@ def test_a_bcg_mode_in_which_bcg_captured_nothing_fails_instead_of_reporting_sgl
     monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setenv("BCG_ATTENTION", "break")  # restored after the test; a bcg mode sets its own
-    monkeypatch.setenv("BCG_GRAPH_VARIANTS", "1")
+    monkeypatch.setenv("BCG_GRAPH_VARIANTS", "maybe")
     if problem is None:
         assert sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)["mode"] == mode
     else:
         with pytest.raises(SystemExit, match=f"bench {mode}: on rank 0 .*{problem}|bench {mode}: {problem}"):
             sglang_mode.run(mode, "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
     assert shut == [True]  # the engine ends either way
-    assert attention == [{"bcg": "auto", "bcg_graph": "graph", "bcg_variants": "auto"}.get(mode, "break")]
-    assert variants == [{"bcg_variants": "1", "native": "1"}.get(mode, "0")]
+    assert attention == [{"bcg": "auto", "bcg_graph": "graph", "bcg_one_graph": "auto"}.get(mode, "break")]
+    assert variants == [{"bcg_one_graph": "0", "native": "maybe"}.get(mode, "1")]
     assert not list(tmp_path.glob("bcg-sglang-bench-*"))  # nor does the schedulers' record folder outlive it
 
 

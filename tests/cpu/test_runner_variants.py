@@ -126,7 +126,7 @@ def test_close_releases_the_variants_with_their_buckets():
 
 @pytest.mark.parametrize("variants, config", [
     (None, BcgConfig(enable=True, sizes=SIZES, graph_variants=True)),
-    ({16: ["fresh"]}, BcgConfig(enable=True, sizes=SIZES)),  # the host names one; off by default
+    ({16: ["fresh"]}, BcgConfig(enable=True, sizes=SIZES, graph_variants=False)),  # the host names one
 ])
 def test_without_variants_every_bucket_is_captured_once(variants, config):
     log = []

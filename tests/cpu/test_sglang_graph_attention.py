@@ -423,8 +423,8 @@ def test_the_capture_batch_of_a_variant_says_which_variant_it_was_planned_for(mo
 
 def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
-    assert "'fresh' variant" not in attention_scope(BcgConfig())
-    assert "'fresh' variant" in attention_scope(BcgConfig(graph_variants=True))
+    assert "'fresh' variant" in attention_scope(BcgConfig())
+    assert "'fresh' variant" not in attention_scope(BcgConfig(graph_variants=False))
     assert attention_scope(BcgConfig(attention="auto")).startswith("inside the graph in buckets up to 512 tokens")
     assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")
 

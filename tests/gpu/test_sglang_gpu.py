@@ -33,10 +33,10 @@ store slots are read inside the graph. With flashinfer and ``auto`` (``sglang-fl
 it stays inside the buckets up to the adapter's limit, the controls' buckets among them, and
 breaks above; full's graphs then reach that limit only. Under ``auto`` two more engines (eager and
 bcg with ``REROUTE_SLOTS`` request slots) take one wave of more prompts than slots at once: the step
-must replay in the next larger bucket, which breaks, and match eager. ``BCG_GRAPH_VARIANTS=1``
-(``sglang-flashinfer-variants``) captures the graph buckets' ``fresh`` variant too (flashinfer 0.7.2
-on): steps without a cached prefix replay in it, the others in the bucket's own graph, and the check
-covers both. With flashinfer and ``BCG_ATTENTION=break``
+must replay in the next larger bucket, which breaks, and match eager. By default
+(``graph_variants``) the graph buckets' ``fresh`` variant is captured too (flashinfer 0.7.2 on): steps
+without a cached prefix replay in it, the others in the bucket's own graph, and the check covers
+both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each bucket once. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
 in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` breaks in every bucket, the
 store in the segment too (``sglang-fa3``), and ``graph`` keeps attention inside every bucket
@@ -68,6 +68,9 @@ from pathlib import Path
 
 import pytest
 import soak_helpers as soak
+
+from bcg_plugin import BcgConfig
+from bcg_plugin.config import TRUE_WORDS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
 sglang = pytest.importorskip("sglang")
@@ -111,7 +114,7 @@ TOP_BUCKET = CHUNK // DP  # DP attention splits the chunked-prefill budget betwe
 RESULTS_DIR = os.environ.get("BCG_TEST_RESULTS_DIR")
 ATTENTION_BACKEND = os.environ.get("BCG_TEST_ATTENTION_BACKEND", "triton")
 ATTENTION = os.environ.get("BCG_ATTENTION", "auto")
-VARIANTS = os.environ.get("BCG_GRAPH_VARIANTS", "0").lower() in ("1", "true", "yes", "on")
+VARIANTS = os.environ.get("BCG_GRAPH_VARIANTS", "1" if BcgConfig().graph_variants else "0").lower() in TRUE_WORDS
 
 
 def inside_tokens() -> int:
@@ -509,7 +512,7 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
 
 
 def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(runs):
-    """``BCG_GRAPH_VARIANTS=1`` on flashinfer 0.7.2 on: every graph bucket is also captured as the
+    """Graph variants (the default) on flashinfer 0.7.2 on: every graph bucket is also captured as the
     ``fresh`` variant (ragged prefill, no split KV), and the run served both it and the buckets' own
     graphs (steps on a cached prefix), so the check below covers both. Otherwise no variant."""
     from bcg_plugin.adapters.sglang.graph_attention import FRESH, fresh_decline_reason

@@ -17,7 +17,7 @@ sized for the bucket and its request slots), so its outputs are held to full's, 
 inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on flashinfer, and on fa3, whose limit
 no run has measured yet, inside none.
 
-With ``graph_variants`` (off by default) every graph bucket is also captured as the variant
+With ``graph_variants`` (on by default) every graph bucket is also captured as the variant
 :data:`FRESH`, for steps whose requests have no cached prefix: there attention runs flashinfer's
 ragged prefill over the step's own keys and values, as SGLang's eager forward runs it, from a graph
 wrapper planned without split KV. The paged plan keeps split KV on (it is what lets a short step on
