@@ -668,6 +668,85 @@ def test_capture_enters_vllms_graph_capture_on_the_stream_torch_captures_on(monk
         assert [c.stream for c in entered] == ["shared"] and seen == "shared"
 
 
+# -- ops vLLM marks as eager breaks, under bcg's capture -----------------------------------------
+
+
+def marked(monkeypatch, fn):
+    """``fn`` marked with vLLM's ``eager_break_during_capture``; through 0.32 the marker wraps only
+    while vLLM's breakable graphs are on, read at the decoration, so they are on for it here."""
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    wrapped = eager_break_during_capture(fn)
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH")
+    assert wrapped is not fn
+    return wrapped
+
+
+def mixer(calls):  # a list, not a tensor: the marker weak-refs tensors with a CUDA op
+    calls.append("ran")
+
+
+def test_under_bcgs_capture_an_op_vllm_marks_fails_the_capture_and_between_segments_runs(monkeypatch):
+    """Without the refusal the marked op (a Mamba mixer, say) found no breakable capture and was
+    recorded inline, its host work frozen into the graph."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    from bcg_plugin import BcgStateError
+    from bcg_plugin.adapters.vllm.attention import MarkedOpRefusal, refusing_marked_ops
+
+    op = marked(monkeypatch, mixer)
+    assert plugin.apply_runner_patches() is True
+    out = []
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    op(out)  # outside bcg's capture: vLLM's own answer (no capture), a plain call
+    assert BreakableCUDAGraphCapture.current() is None and not BreakableCUDAGraphCapture.is_active()
+    with refusing_marked_ops():
+        assert isinstance(BreakableCUDAGraphCapture.current(), MarkedOpRefusal)
+        assert BreakableCUDAGraphCapture.is_active()  # what Cohere2 MoE asks before forking a stream
+        with pytest.raises(BcgStateError, match=r"bcg cannot capture .*mixer, an op vLLM marks as an eager break"):
+            op(out)
+        capturing[0] = False  # between segments: bcg's own break, a warm-up forward
+        op(out)
+    assert out == ["ran", "ran"]
+    assert BreakableCUDAGraphCapture.current() is None
+
+
+def test_bcgs_attention_break_calls_attention_past_vllms_marker(monkeypatch):
+    """Attention is bcg's own break: inside a graph bucket it is recorded inline, where vLLM's
+    marker would meet the refusal."""
+    from bcg_plugin.adapters.vllm.attention import unmarked
+
+    op = marked(monkeypatch, mixer)
+    assert unmarked(op) is mixer
+    assert unmarked(mixer) is mixer  # a function the marker left alone, as through 0.32
+    import vllm.model_executor.layers.attention.attention as attention
+
+    registered = attention.unified_attention_with_output
+    assert unmarked(registered) is getattr(registered, "__wrapped__", None) or unmarked(registered) is registered
+
+
+def test_bcgs_capture_context_refuses_marked_ops_for_its_length(monkeypatch):
+    import vllm.distributed.parallel_state as ps
+
+    from bcg_plugin.adapters.vllm import host as host_module
+    from bcg_plugin.adapters.vllm.attention import capture_refusal
+
+    @contextlib.contextmanager
+    def graph_capture(device, graph_capture_context=None):
+        yield ps.GraphCaptureContext("stream")
+
+    monkeypatch.setattr(ps, "graph_capture", graph_capture)
+    monkeypatch.setattr(host_module, "default_capture_stream", lambda device: None)
+    host = object.__new__(host_module.VllmHost)
+    host.device, host.stream = torch.device("cpu"), None
+    assert capture_refusal() is None
+    with host.capturing():
+        assert capture_refusal() is not None
+    assert capture_refusal() is None
+
+
 # -- the attention break reads the forward context the replay path leaves current ----------------
 
 

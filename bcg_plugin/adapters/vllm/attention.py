@@ -21,12 +21,76 @@ around the replay instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from bcg_plugin import eager_break
+import torch
+
+from bcg_plugin import BcgStateError, eager_break
 
 
 def make_attention_break(original: Callable[..., Any]) -> Callable[..., Any]:
     """The break kernel for vLLM's registered ``unified_attention_with_output`` function."""
-    return eager_break(original, outputs=("output",), capturable=True)
+    return eager_break(unmarked(original), outputs=("output",), capturable=True)
+
+
+def unmarked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` without vLLM's ``eager_break_during_capture`` wrapper, where it has one: under bcg's
+    capture that wrapper meets :class:`MarkedOpRefusal`, and attention is bcg's own break."""
+    from vllm.compilation import breakable_cudagraph
+
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_filename == breakable_cudagraph.__file__ and hasattr(fn, "__wrapped__"):
+        return fn.__wrapped__
+    return fn
+
+
+class MarkedOpRefusal:
+    """The breakable capture vLLM's marked ops find while bcg captures
+    (:mod:`~bcg_plugin.patches.vllm.breakable_capture_current`).
+
+    vLLM marks with ``eager_break_during_capture`` the ops whose host work must run every step
+    (Mamba and linear-attention mixers, MLA, sparse indexers, a model's own). bcg breaks only at
+    attention, so such an op met inside a segment fails the bucket's capture (every rank then runs
+    prefill eagerly) instead of being recorded with its capture-time host work frozen in.
+    ``_capturing`` and ``add_eager`` are the two attributes the marker reads.
+    """
+
+    @property
+    def _capturing(self) -> bool:
+        # Between segments (bcg's own break, the warm-up forwards) a marked op runs as a plain call.
+        return torch.cuda.is_current_stream_capturing()
+
+    def add_eager(self, step: Callable[[], Any]) -> Any:
+        raise BcgStateError(f"bcg cannot capture {_marked_op(step)}, an op vLLM marks as an eager break: bcg breaks "
+                            "only at attention; this model runs prefill eagerly")
+
+
+def _marked_op(step: Callable[[], Any]) -> str:
+    """The marked op's name: the marker hands over a closure that calls it."""
+    for cell in getattr(step, "__closure__", None) or ():
+        value = cell.cell_contents
+        if callable(value) and hasattr(value, "__qualname__"):
+            return value.__qualname__
+    return "an op"
+
+
+_REFUSAL = MarkedOpRefusal()
+_refusing: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_vllm_refusing_marked_ops", default=False)
+
+
+def capture_refusal() -> MarkedOpRefusal | None:
+    """What ``BreakableCUDAGraphCapture.current()`` adds to vLLM's answer: the refusal during bcg's capture."""
+    return _REFUSAL if _refusing.get() else None
+
+
+@contextlib.contextmanager
+def refusing_marked_ops() -> Iterator[None]:
+    """For the length of bcg's capture (its warm-up forwards included)."""
+    token = _refusing.set(True)
+    try:
+        yield
+    finally:
+        _refusing.reset(token)

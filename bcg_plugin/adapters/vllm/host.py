@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream, faults, hookimpl
+from bcg_plugin.adapters.vllm.attention import refusing_marked_ops
 from bcg_plugin.adapters.vllm.config import sequence_parallel_multiple
 from bcg_plugin.adapters.vllm.log import logger
 from bcg_plugin.ladder import resolve_buckets
@@ -87,7 +88,8 @@ class VllmHost:
         Where ``graph_capture`` takes a stream (through 0.30), on the one the V2 runner captures its
         decode graphs on (``torch.cuda.graph``'s default): a stream of its own would pin one more cuBLAS
         workspace (32 MiB on Hopper) for the process's life. From 0.31 it always makes a stream of its
-        own, as it does for vLLM's own captures, and bcg captures on that one."""
+        own, as it does for vLLM's own captures, and bcg captures on that one. Inside it, an op vLLM
+        marks as an eager break fails the capture (:class:`~bcg_plugin.adapters.vllm.attention.MarkedOpRefusal`)."""
         from vllm.distributed.parallel_state import GraphCaptureContext, graph_capture
 
         if accepts(graph_capture, "graph_capture_context"):
@@ -96,7 +98,7 @@ class VllmHost:
                                     graph_capture_context=GraphCaptureContext(stream) if stream is not None else None)
         else:
             context = graph_capture(device=self.device)
-        with context as ctx:
+        with context as ctx, refusing_marked_ops():
             self.stream = ctx.stream
             try:
                 yield

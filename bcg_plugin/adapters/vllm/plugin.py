@@ -60,7 +60,7 @@ def register() -> None:
 
 def calls() -> dict[str, Any]:
     """What the patches call in the adapter, by the names their ``make`` takes."""
-    from bcg_plugin.adapters.vllm.attention import make_attention_break
+    from bcg_plugin.adapters.vllm.attention import capture_refusal, make_attention_break
     from bcg_plugin.adapters.vllm.launch import configure_engine
 
     return {
@@ -72,6 +72,7 @@ def calls() -> dict[str, Any]:
         "estimate_v1": estimate_v1,
         "profile_v2": profile_v2,
         "attention_break": make_attention_break,
+        "capture_refusal": capture_refusal,
     }
 
 

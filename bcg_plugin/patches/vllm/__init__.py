@@ -13,6 +13,7 @@ from bcg_plugin.patches._patch import PatchSet, descriptors
 from bcg_plugin.versions import HostGate
 from bcg_plugin.patches.vllm._kernel import Kernel
 from bcg_plugin.patches.vllm import (
+    breakable_capture_current,
     unified_attention_with_output,
     v1_cudagraph_dispatcher_dispatch,
     v1_gpu_model_runner_capture_model,
@@ -58,6 +59,7 @@ RUNNER = PatchSet("runner", descriptors(
     v1_gpu_model_runner_model_forward,
     v1_gpu_model_runner_dummy_run,
     unified_attention_with_output,
+    breakable_capture_current,
 ), select=GATE.selected, when="a worker whose config enables bcg, from the `init_device` patch, before its model runner is built")
 SETS = (ENTRY, RUNNER)
 ALL = [*ENTRY.patches, *RUNNER.patches]
