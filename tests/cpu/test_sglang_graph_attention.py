@@ -5,6 +5,7 @@ a graph plan, an eager plan and eager is in test_sglang_plugin.py, beside its ot
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 
@@ -248,11 +249,39 @@ def test_the_capture_batch_carries_the_real_row_count_sglang_masks_padded_moe_ro
     first = host.bcg_dummy_batch(256, graph_attention=False, variant=None).payload.forward_batch
     second = host.bcg_dummy_batch(64, graph_attention=False, variant=None).payload.forward_batch
     if not masks:  # no expert parallelism: SGLang masks nothing, and neither does bcg
-        assert first.num_token_non_padded is None and host.land_real_rows(10) is None
+        assert first.num_token_non_padded is None and host.land_real_rows(10, 64) is None
         return
     # one device scalar every graph reads, as SGLang's own graphs keep one
     assert second.num_token_non_padded is first.num_token_non_padded and int(first.num_token_non_padded) == 64
-    assert host.land_real_rows(10) is first.num_token_non_padded and int(first.num_token_non_padded) == 10
+    assert host.land_real_rows(10, 64) is first.num_token_non_padded and int(first.num_token_non_padded) == 10
+
+
+@pytest.mark.parametrize("rank, expected", [(0, 32), (1, 8), (2, 0), (3, 0)])
+def test_where_sglang_splits_a_steps_rows_over_attention_tp_the_real_row_count_is_this_ranks_share(
+        monkeypatch, rank, expected):
+    """SGLang 0.5.23 with the MoE input scattered over the attention-TP ranks (its sequence
+    sharding): each rank holds bucket / attn_tp rows, and its own graphs count each rank's real
+    ones. 40 real rows in a 128-row bucket over 4 ranks: 32, 8, 0, 0; the whole count would leave
+    the trailing ranks' padding unmasked."""
+    import sglang.srt.model_executor.forward_batch_info as info
+
+    if not hasattr(info, "compute_local_num_token_non_padded_cpu") or "sharded" not in inspect.signature(
+            info.compute_local_num_token_non_padded_cpu).parameters:
+        pytest.skip("this SGLang shards no step's rows for its MoE count")
+    runner = model_runner(context_len=100, max_req=6)
+    runner.attention_layers = []
+    runner.attn_backend.init_forward_metadata = lambda fb: None
+    runner.attn_tp_sequence_sharded = lambda num_tokens: True
+    monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: True)
+    monkeypatch.setattr(info, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=4, attn_tp_rank=rank))
+    import bcg_plugin.adapters.sglang.host as host_module
+
+    monkeypatch.setattr(host_module, "_prefill_context_parallel", lambda: False)
+    host = _capture_host(runner)
+    host.bcg_dummy_batch(128, graph_attention=False, variant=None)
+    assert int(host.land_real_rows(40, 128)) == expected
+    runner.attn_tp_sequence_sharded = lambda num_tokens: False  # replicated rows: the whole count
+    assert int(host.land_real_rows(40, 128)) == 40
 
 
 def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():

@@ -318,7 +318,7 @@ def vote_runner(sizes=(16, 32, 64), ratio=None, dp_ranks=None):
     core._graphs = {b: None for b in core.buckets}
     runner = object.__new__(BcgPrefillRunner)
     runner.core = core
-    runner.host = types.SimpleNamespace(dp_ranks=dp_ranks, land_real_rows=lambda num_tokens: None)
+    runner.host = types.SimpleNamespace(dp_ranks=dp_ranks, land_real_rows=lambda num_tokens, bucket: None)
     runner.stats_reporter = StatsReporter(core.stats, logger=logging.getLogger("bcg_plugin.sglang"), interval_s=0)
     runner._planned = None
     runner._unknown_kwargs_logged = False
@@ -495,7 +495,7 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
     r.core.graph_variants = {16: ("fresh",)}  # the fresh variant was captured
     r.host.forward_pass = lambda fb, kwargs: None
     planned, replayed, real_rows = [], [], []
-    r.host.land_real_rows = real_rows.append
+    r.host.land_real_rows = lambda num_tokens, bucket: real_rows.append((num_tokens, bucket))
     r._plan_attention = lambda fb, bucket, variant=None: planned.append((bucket, variant))
     r.core.replay = lambda bucket, batch, variant=None: replayed.append((bucket, variant))
     for prefixes, tokens in (([0, 0], 12), ([0, 5], 12), ([0, 0], 30)):
@@ -511,7 +511,8 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
     assert r.can_run_graph(fb)
     r.execute(fb)
     assert replayed[-1] == (16, None)
-    assert real_rows == [12, 12, 30, 12]  # every replay lands its own count of real rows for the MoE routing mask
+    # every replay lands its own count of real rows, and its bucket, for the MoE routing mask
+    assert real_rows == [(12, 16), (12, 16), (30, 32), (12, 16)]
 
 
 def test_execute_refuses_a_batch_it_did_not_plan():

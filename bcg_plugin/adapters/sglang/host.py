@@ -46,20 +46,30 @@ class SglangHost:
         # masks (expert parallelism), else None.
         self._real_rows: torch.Tensor | None = None
 
-    def land_real_rows(self, num_tokens: int) -> torch.Tensor | None:
-        """Set the count of real rows the graphs' MoE routing reads to ``num_tokens``, so a padded
-        replay routes no padding row to an expert (nor counts it for expert load balancing), as
-        SGLang's own graphs do; ``None`` where SGLang masks no padded rows."""
+    def land_real_rows(self, num_tokens: int, bucket: int) -> torch.Tensor | None:
+        """Set the count of real rows the graphs' MoE routing reads to the ``num_tokens`` of a step
+        replayed in ``bucket``, so a padded replay routes no padding row to an expert (nor counts it
+        for expert load balancing), as SGLang's own graphs do; ``None`` where SGLang masks no padded
+        rows. Where the bucket's rows are split between the attention-TP ranks (SGLang 0.5.23's
+        sequence sharding), the count is this rank's share of them, as SGLang's own graphs count it."""
         if self._real_rows is not None:
-            self._real_rows.fill_(num_tokens)
+            self._real_rows.fill_(self._local_real_rows(num_tokens, bucket))
         return self._real_rows
+
+    def _local_real_rows(self, num_tokens: int, bucket: int) -> int:
+        sharded = getattr(self.model_runner, "attn_tp_sequence_sharded", None)  # SGLang 0.5.23 on
+        if sharded is None or not sharded(bucket) or _prefill_context_parallel():
+            return num_tokens
+        from sglang.srt.model_executor.forward_batch_info import compute_local_num_token_non_padded_cpu
+
+        return compute_local_num_token_non_padded_cpu(num_tokens, bucket, sharded=True)
 
     def _real_rows_for_capture(self, num_tokens: int) -> torch.Tensor | None:
         from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
 
         if self._real_rows is None and enable_num_token_non_padded():
             self._real_rows = torch.zeros((), dtype=torch.int32, device=self.device)
-        return self.land_real_rows(num_tokens)
+        return self.land_real_rows(num_tokens, num_tokens)
 
     @property
     def dp_ranks(self) -> int | None:
@@ -312,3 +322,14 @@ def _dp_layout(model_runner: Any) -> int | None:
     if _gather_check(require_attn_tp_gather, model_runner.server_args):
         return 1
     return None
+
+
+def _prefill_context_parallel() -> bool:
+    """Whether SGLang runs prefill context parallelism, where its own graphs keep the count of the
+    step's rows whole (``sharded`` off)."""
+    try:
+        from sglang.srt.layers.attention.dsa.utils import is_dsa_enable_prefill_cp
+        from sglang.srt.layers.cp.utils import is_mla_cp_enabled
+    except ImportError:
+        return False
+    return bool(is_dsa_enable_prefill_cp() or is_mla_cp_enabled())

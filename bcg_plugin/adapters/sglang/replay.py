@@ -197,7 +197,7 @@ class BcgPrefillRunner:
         bucket = planned[1]
         variant = self.host.graph.variant_for(forward_batch, self.core.graph_variants.get(bucket, ()))
         self._plan_attention(forward_batch, bucket, variant)
-        self.host.land_real_rows(len(forward_batch.input_ids))
+        self.host.land_real_rows(len(forward_batch.input_ids), bucket)
         slots = forward_batch.out_cache_loc
         if faults.active():
             slots = _graph_slots(bucket, slots)
