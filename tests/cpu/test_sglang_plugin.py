@@ -942,6 +942,21 @@ def test_with_graph_variants_each_position_is_held_to_the_nearer_of_two_referenc
     assert gpu_test.TOL < 0.5
 
 
+@pytest.mark.parametrize("variants, second", [({"16": ["fresh"]}, True), ({}, False)])
+def test_only_a_run_that_captured_a_variant_is_held_to_eager_beside_full(gpu_test_module, monkeypatch, variants,
+                                                                          second):
+    """Variants are on by default, but fa3 and older flashinfer capture none: such a run is held
+    to ``full`` alone, as before variants existed."""
+    gpu_test = gpu_test_module("test_sglang_gpu")
+    monkeypatch.setattr(gpu_test, "REFERENCE", "full")  # a suite with attention inside the graph
+    out = {"results": [_meta([-1.0])], "probes": [_meta([-2.0])]}
+    runs = {"eager": out, "full": out, "bcg": {**out, "captures": [
+        {"runner": "BcgPrefillRunner", "rank": 0, "bcg_graph_variants": variants}]}}
+    also = gpu_test.second_references(runs, "bcg", against="full")
+    assert (also["results"] == out["results"]) is second and (also["probes"] == out["probes"]) is second
+    assert gpu_test.second_references(runs, "full_again", against="full")["results"] == [None]
+
+
 @pytest.mark.parametrize("max_bs, pool_rows, context_len, top", [
     (8192, 2, 2048, 4096),  # --max-running-requests 2 --context-length 2048, SGLang's 8192 chunk on an H200
     (8192, 1, 4096, 4096),

@@ -424,7 +424,7 @@ def kept(name: str, run) -> dict:
     Eager engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on one
     backend share them; full's are named by the buckets they capture (``INSIDE_TOKENS``)."""
     graph = f"-{ATTENTION}" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
-    if graph and VARIANTS:
+    if graph and VARIANTS and ATTENTION_BACKEND == "flashinfer":  # the one backend with a variant
         graph += "-variants"
     if name.startswith("full") and INSIDE_TOKENS < TOP_BUCKET:
         graph = f"-to{INSIDE_TOKENS}"
@@ -485,6 +485,12 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     # bucket of the DP-wide largest forward, whatever the rank's own share).
     problem = soak.lockstep_problem(soak.replay_sequences(replayed), TP)
     assert problem is None, problem
+
+
+def captured_variants(runs: dict) -> bool:
+    """Whether the bcg engine's capture kept a graph variant of some bucket (on any rank)."""
+    captures = (runs.get("bcg") or {}).get("captures") or []
+    return any(c.get("bcg_graph_variants") for c in captures if c.get("runner") == "BcgPrefillRunner")
 
 
 def bcg_capture(runs: dict) -> dict:
@@ -548,12 +554,13 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
 
 def second_references(runs: dict, name: str, against: str = REFERENCE) -> dict[str, list]:
     """Per list of outputs (``results``, ``probes``), what each of run ``name``'s may match instead of
-    ``against``'s: with graph variants against ``full`` (:data:`VARIANTS`), eager's, position by
+    ``against``'s: where the bcg engine captured graph variants, against ``full``, eager's, position by
     position (a step without a cached prefix runs the ``fresh`` variant, eager's ragged prefill, and
     the others full's paged one; ``full`` against eager differs by up to about TOL, so neither alone
-    is the exact reference); else nothing (``None`` each). The reference's own repeat is held to it alone."""
-    second = (runs["eager"] if VARIANTS and against == REFERENCE != "eager" and not name.endswith("_again")
-              else None)
+    is the exact reference); else nothing (``None`` each), so a run whose backend captured no variant
+    (fa3, an older flashinfer) is held to ``full`` alone. The reference's own repeat is held to it alone."""
+    second = (runs["eager"] if captured_variants(runs) and against == REFERENCE != "eager"
+              and not name.endswith("_again") else None)
     return {run: second[run] if second is not None else [None] * len(runs[against][run])
             for run in ("results", "probes")}
 
