@@ -715,16 +715,26 @@ def test_under_bcgs_capture_an_op_vllm_marks_fails_the_capture_and_between_segme
 
 def test_bcgs_attention_break_calls_attention_past_vllms_marker(monkeypatch):
     """Attention is bcg's own break: inside a graph bucket it is recorded inline, where vLLM's
-    marker would meet the refusal."""
-    from bcg_plugin.adapters.vllm.attention import unmarked
+    marker (on vLLM's attention op from 0.33 whatever its breakable graphs) would meet the refusal
+    and fail every graph-attention bucket's capture."""
+    from bcg_plugin import breaks
+    from bcg_plugin.adapters.vllm.attention import make_attention_break, refusing_marked_ops, unmarked
 
-    op = marked(monkeypatch, mixer)
-    assert unmarked(op) is mixer
+    def attention(query, output):  # lists, not tensors: the marker weak-refs tensors with a CUDA op
+        output.append(query)
+
+    kernel = make_attention_break(marked(monkeypatch, attention))
     assert unmarked(mixer) is mixer  # a function the marker left alone, as through 0.32
-    import vllm.model_executor.layers.attention.attention as attention
-
-    registered = attention.unified_attention_with_output
-    assert unmarked(registered) is getattr(registered, "__wrapped__", None) or unmarked(registered) is registered
+    assert plugin.apply_runner_patches() is True
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    out = []
+    token = breaks._capture_inline.set(True)  # a bucket whose attention is captured inside the graph
+    try:
+        with refusing_marked_ops():
+            kernel(["q"], out)
+    finally:
+        breaks._capture_inline.reset(token)
+    assert out == [["q"]]
 
 
 def test_bcgs_capture_context_refuses_marked_ops_for_its_length(monkeypatch):

@@ -39,10 +39,12 @@ def make_attention_break(original: Callable[..., Any]) -> Callable[..., Any]:
 def unmarked(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` without vLLM's ``eager_break_during_capture`` wrapper, where it has one: under bcg's
     capture that wrapper meets :class:`MarkedOpRefusal`, and attention is bcg's own break."""
-    from vllm.compilation import breakable_cudagraph
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
+    # Every wrapper the marker makes runs the one code object nested in the marker's own.
     code = getattr(fn, "__code__", None)
-    if code is not None and code.co_filename == breakable_cudagraph.__file__ and hasattr(fn, "__wrapped__"):
+    if code is not None and hasattr(fn, "__wrapped__") and any(
+            const is code for const in eager_break_during_capture.__code__.co_consts):
         return fn.__wrapped__
     return fn
 
