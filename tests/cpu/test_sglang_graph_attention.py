@@ -259,15 +259,16 @@ def test_the_capture_batch_carries_the_real_row_count_sglang_masks_padded_moe_ro
 @pytest.mark.parametrize("rank, expected", [(0, 32), (1, 8), (2, 0), (3, 0)])
 def test_where_sglang_splits_a_steps_rows_over_attention_tp_the_real_row_count_is_this_ranks_share(
         monkeypatch, rank, expected):
-    """SGLang 0.5.23 with the MoE input scattered over the attention-TP ranks (its sequence
+    """SGLang (0.5.20 on) with a step's rows split between the attention-TP ranks (its sequence
     sharding): each rank holds bucket / attn_tp rows, and its own graphs count each rank's real
-    ones. 40 real rows in a 128-row bucket over 4 ranks: 32, 8, 0, 0; the whole count would leave
-    the trailing ranks' padding unmasked."""
+    ones. 40 real rows in a 128-row bucket over 4 ranks: 32, 8, 0, 0; with the MoE input scattered
+    too, the whole count would leave the trailing ranks' padding unmasked. The capture batch says
+    the rows are split, so where the MoE gathers them instead it reads no count, as in SGLang's graphs."""
     import sglang.srt.model_executor.forward_batch_info as info
 
     if not hasattr(info, "compute_local_num_token_non_padded_cpu") or "sharded" not in inspect.signature(
             info.compute_local_num_token_non_padded_cpu).parameters:
-        pytest.skip("this SGLang shards no step's rows for its MoE count")
+        pytest.skip("this SGLang does not say per forward whether a step's rows are split (0.5.20 on)")
     runner = model_runner(context_len=100, max_req=6)
     runner.attention_layers = []
     runner.attn_backend.init_forward_metadata = lambda fb: None
@@ -278,7 +279,10 @@ def test_where_sglang_splits_a_steps_rows_over_attention_tp_the_real_row_count_i
 
     monkeypatch.setattr(host_module, "_prefill_context_parallel", lambda: False)
     host = _capture_host(runner)
-    host.bcg_dummy_batch(128, graph_attention=False, variant=None)
+    fb = host.bcg_dummy_batch(128, graph_attention=False, variant=None).payload.forward_batch
+    # as SGLang's own capture batch says it: its MoE takes the share only with a scattered MoE input,
+    # and with one DP group's rows gathered no count at all (ForwardBatch.moe_num_token_non_padded)
+    assert fb.attn_tp_sequence_sharded is True
     assert int(host.land_real_rows(40, 128)) == expected
     runner.attn_tp_sequence_sharded = lambda num_tokens: False  # replicated rows: the whole count
     assert int(host.land_real_rows(40, 128)) == 40

@@ -50,14 +50,14 @@ class SglangHost:
         """Set the count of real rows the graphs' MoE routing reads to the ``num_tokens`` of a step
         replayed in ``bucket``, so a padded replay routes no padding row to an expert (nor counts it
         for expert load balancing), as SGLang's own graphs do; ``None`` where SGLang masks no padded
-        rows. Where the bucket's rows are split between the attention-TP ranks (SGLang 0.5.23's
-        sequence sharding), the count is this rank's share of them, as SGLang's own graphs count it."""
+        rows. Where the bucket's rows are split between the attention-TP ranks (SGLang's sequence
+        sharding, 0.5.20 on), the count is this rank's share of them, as SGLang's own graphs count it."""
         if self._real_rows is not None:
             self._real_rows.fill_(self._local_real_rows(num_tokens, bucket))
         return self._real_rows
 
     def _local_real_rows(self, num_tokens: int, bucket: int) -> int:
-        sharded = getattr(self.model_runner, "attn_tp_sequence_sharded", None)  # SGLang 0.5.23 on
+        sharded = getattr(self.model_runner, "attn_tp_sequence_sharded", None)  # SGLang 0.5.20 on
         if sharded is None or not sharded(bucket) or _prefill_context_parallel():
             return num_tokens
         from sglang.srt.model_executor.forward_batch_info import compute_local_num_token_non_padded_cpu
@@ -150,6 +150,7 @@ class SglangHost:
             capture_hidden_mode=CaptureHiddenMode.NULL,
             global_forward_mode=ForwardMode.EXTEND,
             **{_non_padded_field(ForwardBatch): num_tokens},
+            **_sequence_sharding(ForwardBatch, mr, num_tokens),
             num_token_non_padded=self._real_rows_for_capture(num_tokens),
             **dp,
         )
@@ -283,6 +284,16 @@ def tp_group(model_runner: Any) -> Any:
     from sglang.srt.runtime_context import get_parallel
 
     return get_parallel().tp_group
+
+
+def _sequence_sharding(forward_batch_cls: type, model_runner: Any, num_tokens: int) -> dict[str, bool]:
+    """Whether the bucket's rows are split between the attention-TP ranks, as SGLang's own capture
+    batch says it (0.5.20 on): its MoE reads the real-row count as this rank's share only where the
+    MoE input is scattered too, and where it gathers a single DP group's rows, no count at all."""
+    sharded = getattr(model_runner, "attn_tp_sequence_sharded", None)
+    if sharded is None or "attn_tp_sequence_sharded" not in getattr(forward_batch_cls, "__dataclass_fields__", {}):
+        return {}
+    return {"attn_tp_sequence_sharded": bool(sharded(num_tokens))}
 
 
 def _non_padded_field(forward_batch_cls: type) -> str:
