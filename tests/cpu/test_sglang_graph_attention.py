@@ -232,7 +232,7 @@ def _capture_host(runner):
 
     host = SglangHost.__new__(SglangHost)
     host.model_runner, host.device, host._dp, host._dp_counts = runner, torch.device("cpu"), None, {}
-    host.stored_in_graph, host._real_rows = set(), None
+    host.stored_in_graph, host._real_rows, host._shared_count = set(), None, set()
     host.graph = ga.GraphAttention(runner, None, 8192, host.device)
     return host
 
@@ -272,7 +272,7 @@ def test_where_sglang_splits_a_steps_rows_over_attention_tp_the_real_row_count_i
     runner = model_runner(context_len=100, max_req=6)
     runner.attention_layers = []
     runner.attn_backend.init_forward_metadata = lambda fb: None
-    runner.attn_tp_sequence_sharded = lambda num_tokens: True
+    runner.attn_tp_sequence_sharded = lambda num_tokens: num_tokens == 128  # SGLang asks per bucket
     monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: True)
     monkeypatch.setattr(info, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=4, attn_tp_rank=rank))
     import bcg_plugin.adapters.sglang.host as host_module
@@ -284,8 +284,9 @@ def test_where_sglang_splits_a_steps_rows_over_attention_tp_the_real_row_count_i
     # and with one DP group's rows gathered no count at all (ForwardBatch.moe_num_token_non_padded)
     assert fb.attn_tp_sequence_sharded is True
     assert int(host.land_real_rows(40, 128)) == expected
-    runner.attn_tp_sequence_sharded = lambda num_tokens: False  # replicated rows: the whole count
-    assert int(host.land_real_rows(40, 128)) == 40
+    fb = host.bcg_dummy_batch(64, graph_attention=False, variant=None).payload.forward_batch
+    assert fb.attn_tp_sequence_sharded is False
+    assert int(host.land_real_rows(40, 64)) == 40  # replicated rows: the whole count
 
 
 def test_the_capture_batch_of_a_graph_bucket_holds_every_request_slot():

@@ -45,30 +45,33 @@ class SglangHost:
         # padded rows by; one device scalar every graph reads, made at the first capture where SGLang
         # masks (expert parallelism), else None.
         self._real_rows: torch.Tensor | None = None
+        # The buckets whose count is this attention-TP rank's share, decided at their capture.
+        self._shared_count: set[int] = set()
 
     def land_real_rows(self, num_tokens: int, bucket: int) -> torch.Tensor | None:
         """Set the count of real rows the graphs' MoE routing reads to the ``num_tokens`` of a step
         replayed in ``bucket``, so a padded replay routes no padding row to an expert (nor counts it
         for expert load balancing), as SGLang's own graphs do; ``None`` where SGLang masks no padded
         rows. Where the bucket's rows are split between the attention-TP ranks (SGLang's sequence
-        sharding, 0.5.20 on), the count is this rank's share of them, as SGLang's own graphs count it."""
+        sharding, 0.5.20 on; asked once, at the bucket's capture), the count is this rank's share of
+        them, as SGLang's own graphs count it."""
         if self._real_rows is not None:
-            self._real_rows.fill_(self._local_real_rows(num_tokens, bucket))
+            if bucket in self._shared_count:
+                from sglang.srt.model_executor.forward_batch_info import compute_local_num_token_non_padded_cpu
+
+                num_tokens = compute_local_num_token_non_padded_cpu(num_tokens, bucket, sharded=True)
+            self._real_rows.fill_(num_tokens)
         return self._real_rows
 
-    def _local_real_rows(self, num_tokens: int, bucket: int) -> int:
-        sharded = getattr(self.model_runner, "attn_tp_sequence_sharded", None)  # SGLang 0.5.20 on
-        if sharded is None or not sharded(bucket) or _prefill_context_parallel():
-            return num_tokens
-        from sglang.srt.model_executor.forward_batch_info import compute_local_num_token_non_padded_cpu
-
-        return compute_local_num_token_non_padded_cpu(num_tokens, bucket, sharded=True)
-
-    def _real_rows_for_capture(self, num_tokens: int) -> torch.Tensor | None:
+    def _real_rows_for_capture(self, num_tokens: int, split: bool | None) -> torch.Tensor | None:
+        """The capture batch's count for a bucket of ``num_tokens`` rows, ``split`` between the
+        attention-TP ranks or not (``None``: this SGLang does not say, before 0.5.20)."""
         from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
 
         if self._real_rows is None and enable_num_token_non_padded():
             self._real_rows = torch.zeros((), dtype=torch.int32, device=self.device)
+        if split and self._real_rows is not None and not _prefill_context_parallel():  # CP: SGLang keeps it whole
+            self._shared_count.add(num_tokens)
         return self.land_real_rows(num_tokens, num_tokens)
 
     @property
@@ -115,6 +118,7 @@ class SglangHost:
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 
         mr, dev = self.model_runner, self.device
+        split = _rows_split(ForwardBatch, mr, num_tokens)
         ctx = mr.model_config.context_len
         seq_lens = [min(ctx, num_tokens - s) for s in range(0, num_tokens, ctx)]
         positions = torch.cat([torch.arange(n, dtype=torch.int64, device=dev) for n in seq_lens])
@@ -150,8 +154,8 @@ class SglangHost:
             capture_hidden_mode=CaptureHiddenMode.NULL,
             global_forward_mode=ForwardMode.EXTEND,
             **{_non_padded_field(ForwardBatch): num_tokens},
-            **_sequence_sharding(ForwardBatch, mr, num_tokens),
-            num_token_non_padded=self._real_rows_for_capture(num_tokens),
+            **({} if split is None else {"attn_tp_sequence_sharded": split}),
+            num_token_non_padded=self._real_rows_for_capture(num_tokens, split),
             **dp,
         )
         # Planned once per bucket; every replay plans its own live batch instead.
@@ -286,14 +290,15 @@ def tp_group(model_runner: Any) -> Any:
     return get_parallel().tp_group
 
 
-def _sequence_sharding(forward_batch_cls: type, model_runner: Any, num_tokens: int) -> dict[str, bool]:
-    """Whether the bucket's rows are split between the attention-TP ranks, as SGLang's own capture
-    batch says it (0.5.20 on): its MoE reads the real-row count as this rank's share only where the
-    MoE input is scattered too, and where it gathers a single DP group's rows, no count at all."""
+def _rows_split(forward_batch_cls: type, model_runner: Any, num_tokens: int) -> bool | None:
+    """Whether a bucket's rows are split between the attention-TP ranks, as SGLang's own capture
+    batch says it (0.5.20 on; ``None`` before): its MoE reads the real-row count as this rank's share
+    only where the MoE input is scattered too, and where it gathers a single DP group's rows, no
+    count at all."""
     sharded = getattr(model_runner, "attn_tp_sequence_sharded", None)
     if sharded is None or "attn_tp_sequence_sharded" not in getattr(forward_batch_cls, "__dataclass_fields__", {}):
-        return {}
-    return {"attn_tp_sequence_sharded": bool(sharded(num_tokens))}
+        return None
+    return bool(sharded(num_tokens))
 
 
 def _non_padded_field(forward_batch_cls: type) -> str:
