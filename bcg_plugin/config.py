@@ -32,7 +32,9 @@ class BcgConfig:
             ``max_model_len``; SGLang: its request pool's rows x ``context_length``); ``0``
             disables capture, like the hosts' own "0 turns graphs off" convention.
         sizes: an explicit bucket list replacing the reference ladder; every size must be
-            ``<= max_tokens`` when both are given.
+            ``<= max_tokens`` when both are given. Where the host splits a step's rows into equal
+            shards (vLLM's sequence parallelism; SGLang where it scatters them between attention-TP ranks),
+            each bucket, listed or from the ladder, is rounded up to a multiple of their count.
         max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded
             tail costs more than the launches a graph saves (pitfall 11). ``None``: always.
         capture_failure: ``"eager"`` keeps the engine serving eagerly (agreed by every rank) when a

@@ -52,6 +52,16 @@ def resolve_buckets(max_tokens: int, sizes: Iterable[int] | None = None) -> list
     return out
 
 
+def buckets_multiple_of(buckets: Sequence[int], multiple: int, max_tokens: int) -> list[int]:
+    """``buckets`` each rounded up to a multiple of ``multiple``, for hosts that split a step's rows
+    into equal shards; one above ``max_tokens`` becomes the largest multiple within it (a step padded
+    past that runs eagerly, as above any top bucket), and none is left where ``max_tokens`` holds no
+    multiple."""
+    top = max_tokens - max_tokens % multiple
+    rounded = {min(-(-b // multiple) * multiple, top) for b in buckets}
+    return sorted(b for b in rounded if b > 0)
+
+
 def choose_bucket(buckets: Sequence[int], num_tokens: int) -> int | None:
     """Smallest bucket >= ``num_tokens`` (``buckets`` ascending); ``None`` above the top: eager."""
     if num_tokens < 1:

@@ -64,3 +64,17 @@ def test_explicit_sizes_sorted_and_validated():
 def test_ladder_rejects_bad_top(bad):
     with pytest.raises(BcgConfigError, match="max_tokens"):
         reference_ladder(bad)
+
+
+def test_buckets_rounded_to_a_multiple_cover_every_step_the_ladder_covered_within_the_top():
+    from bcg_plugin.ladder import buckets_multiple_of
+
+    ladder = reference_ladder(1000)
+    rounded = buckets_multiple_of(ladder, 24, 1000)
+    assert all(b % 24 == 0 for b in rounded) and rounded[-1] == 984
+    # a step the ladder served is served by a bucket at most one multiple larger, up to the top
+    for n in range(1, 985):
+        assert choose_bucket(rounded, n) - choose_bucket(ladder, n) < 24
+    assert choose_bucket(rounded, 985) is None  # padded past the chunk: eager
+    assert buckets_multiple_of([16, 17, 32], 16, 64) == [16, 32]
+    assert buckets_multiple_of([16], 32, 31) == []

@@ -439,6 +439,39 @@ def test_the_dp_width_counts_sglang_0_5_23_attention_dp_ranks(monkeypatch):
         assert isinstance(getattr(runtime_context.ParallelContext, "num_dp_ranks", None), property)
 
 
+def scattered_rows(monkeypatch, attn_tp_size):
+    """SGLang's layout as its own graph-size multiple reads it: a step's rows scattered between
+    ``attn_tp_size`` attention-TP ranks (``None``: not scattered), without two-batch overlap."""
+    from sglang.srt.utils import common
+
+    monkeypatch.setattr(common, "require_gathered_buffer", lambda *a, **k: attn_tp_size is not None)
+    monkeypatch.setattr(common, "get_parallel", lambda: types.SimpleNamespace(
+        attn_tp_size=attn_tp_size or 1, attn_cp_size=1))
+    monkeypatch.setattr(common, "get_exec", lambda: types.SimpleNamespace(
+        overlap=types.SimpleNamespace(enable_two_batch_overlap=False)), raising=False)
+    return types.SimpleNamespace(server_args=types.SimpleNamespace(enable_two_batch_overlap=False))
+
+
+@pytest.mark.parametrize("sizes", [None, (10, 20, 50, 100)])
+def test_scattered_rows_give_every_bucket_a_multiple_of_the_attention_tp_width(monkeypatch, sizes):
+    """Each attention-TP rank takes an equal share of a bucket's rows, as SGLang's own sizes (its
+    eager padding, its 0.5.23 graphs) make them: asked of the installed release's own function."""
+    from bcg_plugin.adapters.sglang.host import SglangHost
+
+    host = SglangHost.__new__(SglangHost)
+    host.model_runner = scattered_rows(monkeypatch, 3)
+    config = BcgConfig(enable=True, sizes=sizes)
+    buckets = PrefillGraphRunner(plugin_manager(host), config, chunk_size=100, device="cpu").buckets
+    assert buckets and all(b % 3 == 0 and b <= 100 for b in buckets), buckets
+    assert buckets[-1] == 99  # a step of 100 tokens runs eagerly: no multiple of 3 holds it within the chunk
+    if sizes:
+        assert buckets == [12, 21, 51, 99]
+    host.model_runner = scattered_rows(monkeypatch, None)
+    ladder = PrefillGraphRunner(plugin_manager(host), config, chunk_size=100, device="cpu").buckets
+    assert ladder == (sorted(sizes) if sizes else PrefillGraphRunner(plugin_manager(), config, chunk_size=100,
+                                                                      device="cpu").buckets)
+
+
 def test_a_keyword_a_later_sglang_adds_means_eager_not_a_crash(caplog):
     r = vote_runner()
     with caplog.at_level(logging.WARNING, logger="bcg_plugin.sglang"):

@@ -10,7 +10,8 @@ import torch
 
 from bcg_plugin.adapters.sglang.attention import ForwardPass
 from bcg_plugin.adapters.sglang.graph_attention import GraphAttention
-from bcg_plugin import HostBatch, StaticInput, hookimpl
+from bcg_plugin import BcgConfig, HostBatch, StaticInput, hookimpl
+from bcg_plugin.ladder import buckets_multiple_of, resolve_buckets
 
 
 class SglangHost:
@@ -91,6 +92,17 @@ class SglangHost:
         )
 
     # -- bcg hooks -----------------------------------------------------------------------------
+
+    @hookimpl
+    def bcg_prefill_buckets(self, config: BcgConfig) -> list[int] | None:
+        # Where a step's rows are scattered between the attention-TP ranks, each rank takes an equal
+        # share, or the ranks' collectives disagree on their sizes: every bucket is a multiple of
+        # SGLang's own for graph sizes (its eager steps pad to it; its prefill graphs round to it
+        # from 0.5.23).
+        multiple = _size_multiple(self.model_runner)
+        if multiple == 1:
+            return None
+        return buckets_multiple_of(resolve_buckets(config.max_tokens, config.sizes), multiple, config.max_tokens)
 
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
@@ -318,11 +330,19 @@ def _prefill_graph_scopes() -> tuple[Any, Any] | None:
     return set_forward_batch, prefill_graph_scope
 
 
-def _gather_check(check: Any, server_args: Any) -> bool:
-    # SGLang 0.5.19 made these read the process-wide configuration instead of taking server_args.
-    positional = [p for p in inspect.signature(check).parameters.values()
+def _sglang_call(fn: Any, server_args: Any) -> Any:
+    # SGLang's layout helpers took server_args until 0.5.19 made them read the process-wide configuration.
+    positional = [p for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return bool(check(server_args) if positional else check())
+    return fn(server_args) if positional else fn()
+
+
+def _size_multiple(model_runner: Any) -> int:
+    """The multiple SGLang sizes its graphs' token counts to: the attention-TP width where a step's
+    rows are scattered between those ranks (times two under two-batch overlap), else 1."""
+    from sglang.srt.utils.common import get_cuda_graph_batch_size_alignment
+
+    return int(_sglang_call(get_cuda_graph_batch_size_alignment, model_runner.server_args))
 
 
 def _dp_layout(model_runner: Any) -> int | None:
@@ -330,12 +350,12 @@ def _dp_layout(model_runner: Any) -> int | None:
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils import require_attn_tp_gather, require_mlp_tp_gather
 
-    if _gather_check(require_mlp_tp_gather, model_runner.server_args):
+    if bool(_sglang_call(require_mlp_tp_gather, model_runner.server_args)):
         parallel = get_parallel()
         # SGLang 0.5.23 resolves DP attention to attn_dp_size ranks with dp_size 1 (replicas); its
         # num_dp_ranks counts both, as its own runner captures with.
         return parallel.num_dp_ranks if hasattr(type(parallel), "num_dp_ranks") else parallel.dp_size
-    if _gather_check(require_attn_tp_gather, model_runner.server_args):
+    if bool(_sglang_call(require_attn_tp_gather, model_runner.server_args)):
         return 1
     return None
 

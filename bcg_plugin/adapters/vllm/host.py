@@ -22,7 +22,7 @@ from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream
 from bcg_plugin.adapters.vllm.attention import refusing_marked_ops
 from bcg_plugin.adapters.vllm.config import sequence_parallel_multiple
 from bcg_plugin.adapters.vllm.log import logger
-from bcg_plugin.ladder import resolve_buckets
+from bcg_plugin.ladder import buckets_multiple_of, resolve_buckets
 
 
 class VllmHost:
@@ -163,14 +163,6 @@ class VllmHost:
     @hookimpl
     def bcg_capture_stream(self) -> torch.cuda.Stream | None:
         return self.stream
-
-
-def buckets_multiple_of(buckets: list[int], multiple: int, max_tokens: int) -> list[int]:
-    """``buckets`` each rounded up to a multiple of ``multiple``, those above ``max_tokens`` dropped for
-    the largest multiple within it (a step padded past it runs eagerly, as above any top bucket)."""
-    top = max_tokens - max_tokens % multiple
-    rounded = {min(-(-b // multiple) * multiple, top) for b in buckets}
-    return sorted(b for b in rounded if b > 0)
 
 
 class EagerEmbedding:
