@@ -130,6 +130,9 @@ def test_vllm_reads_no_bcg_variable_so_the_environment_enables_nothing_there():
     vllm = _section(text, "vllm")
     assert rc == 0 and "up to 4096 tokens replay bcg graphs" in vllm and "ignored" not in vllm
     assert '"warmup": "first_bucket", "torch_compile": true' in vllm
+    rc, text = _run_env({}, config='{"enable": true, "graph_variants": false}')
+    vllm = _section(text, "vllm")
+    assert rc == 0 and "ignored: --config key 'graph_variants' (vLLM captures one graph per bucket" in vllm
 
 
 @pytest.mark.parametrize("environ, key", [

@@ -117,11 +117,15 @@ def breakable_architectures() -> list[str] | None:
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     """``raw`` as ``additional_config["bcg"]``, validated as engine start does; vLLM reads no ``BCG_*``
-    variable for its configuration, so each one set is named as ignored."""
+    variable for its configuration, so each one set is named as ignored, as is ``graph_variants``,
+    which nothing on vLLM acts on."""
     keys = {ENV_PREFIX + f.name.upper(): f.name for f in dataclasses.fields(BcgConfig)}
     ignored = [(f"{name} (vLLM reads only {SOURCE}: give {json.dumps(keys[name])} in --config JSON)" if name in keys
                 else unknown_env_key(name, set(keys)))
                for name in sorted(environ) if name.startswith(ENV_PREFIX) and name not in (FAULTS_ENV, UNTESTED_ENV)]
+    if isinstance(raw, dict) and "graph_variants" in raw:
+        ignored.append("--config key 'graph_variants' (vLLM captures one graph per bucket; the key acts on "
+                       "SGLang's flashinfer backend)")
     source = f"{SOURCE}, from --config" if raw is not None else f"{SOURCE}, none given (--config)"
     try:
         return ConfigCheck(source, config=validate({} if raw is None else raw), ignored=ignored)
