@@ -548,6 +548,30 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
     assert real_rows == [(12, 16), (12, 16), (30, 32), (12, 16)]
 
 
+def test_a_dp_padded_step_lands_its_real_count_for_the_moe_mask_not_its_padded_rows():
+    """Under DP attention SGLang pads each rank's step to its peers' bucket before the runner sees it,
+    keeping the real count apart (an idle rank's step is all padding): the MoE routing mask reads
+    that count, as in SGLang's own replay, or every padded row would be routed to an expert."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from bcg_plugin.adapters.sglang.host import _non_padded_field
+
+    r = vote_runner(dp_ranks=2)
+    landed = []
+    r.host.land_real_rows = lambda num_tokens, bucket: landed.append((num_tokens, bucket))
+    r.host.graph = types.SimpleNamespace(variant_for=lambda fb, names: None)
+    r.host.forward_pass = lambda fb, kwargs: None
+    r._plan_attention = lambda fb, bucket, variant=None: None
+    r.core.replay = lambda bucket, batch, variant=None: None
+    for real in (10, 0, None):  # a rank with 10 real tokens, an idle rank, a release without the count
+        fb = fake_batch(32, across=[32, 32])
+        fb.positions = fb.out_cache_loc = None
+        setattr(fb, _non_padded_field(ForwardBatch), real)
+        assert r.can_run_graph(fb)
+        r.execute(fb)
+    assert landed == [(10, 32), (0, 32), (32, 32)]
+
+
 def test_execute_refuses_a_batch_it_did_not_plan():
     r = vote_runner()
     with pytest.raises(RuntimeError, match="can_run_graph"):

@@ -60,7 +60,7 @@ class ForwardPass:
         own eager attention narrows them too), computed once per forward."""
         real = self._real
         if real is None or real[0] != landed or real[1] is not slots or real[2] is not positions:
-            n = _real_rows(self.forward_batch, landed)
+            n = step_real_rows(self.forward_batch, landed)
             narrowed = positions[:n] if positions is not None and _narrows_positions() else positions
             real = self._real = (landed, slots, positions, n, slots[:n], narrowed)
         return real[3:]
@@ -269,7 +269,10 @@ def _write_loc(fb: Any) -> Any:
     return KVWriteLoc.for_batch(fb) if hasattr(KVWriteLoc, "for_batch") else KVWriteLoc(fb.out_cache_loc)
 
 
-def _real_rows(fb: Any, landed: int) -> int:
+def step_real_rows(fb: Any, landed: int) -> int:
+    """The real rows among the ``landed`` ones of batch ``fb``: under DP attention SGLang pads a step
+    to its peers' bucket before a graph runner sees it (an idle rank's whole step is padding) and
+    keeps the count of its real tokens apart."""
     # SGLang 0.5.20 renamed the count (the real tokens before attention-TP sharding) to say it is global.
     real = getattr(fb, "global_num_token_non_padded_cpu", None)
     if real is None:

@@ -51,7 +51,8 @@ class SglangHost:
 
     def land_real_rows(self, num_tokens: int, bucket: int) -> torch.Tensor | None:
         """Set the count of real rows the graphs' MoE routing reads to the ``num_tokens`` of a step
-        replayed in ``bucket``, so a padded replay routes no padding row to an expert (nor counts it
+        replayed in ``bucket`` (its real tokens, not the rows SGLang padded it with under DP
+        attention), so a padded replay routes no padding row to an expert (nor counts it
         for expert load balancing), as SGLang's own graphs do; ``None`` where SGLang masks no padded
         rows. Where the bucket's rows are split between the attention-TP ranks (SGLang's sequence
         sharding, 0.5.20 on; asked once, at the bucket's capture), the count is this rank's share of

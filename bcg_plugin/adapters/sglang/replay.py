@@ -14,6 +14,7 @@ from typing import Any
 
 from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.sglang import config, eligibility
+from bcg_plugin.adapters.sglang.attention import step_real_rows
 from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, tp_group
 from bcg_plugin.adapters.sglang.metrics import stats_reporter
 from bcg_plugin.dist import first_rank
@@ -197,7 +198,7 @@ class BcgPrefillRunner:
         bucket = planned[1]
         variant = self.host.graph.variant_for(forward_batch, self.core.graph_variants.get(bucket, ()))
         self._plan_attention(forward_batch, bucket, variant)
-        self.host.land_real_rows(len(forward_batch.input_ids), bucket)
+        self.host.land_real_rows(step_real_rows(forward_batch, len(forward_batch.input_ids)), bucket)
         slots = forward_batch.out_cache_loc
         if faults.active():
             slots = _graph_slots(bucket, slots)
