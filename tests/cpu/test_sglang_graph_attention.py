@@ -275,9 +275,6 @@ def test_where_sglang_splits_a_steps_rows_over_attention_tp_the_real_row_count_i
     runner.attn_tp_sequence_sharded = lambda num_tokens: num_tokens == 128  # SGLang asks per bucket
     monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: True)
     monkeypatch.setattr(info, "get_parallel", lambda: types.SimpleNamespace(attn_tp_size=4, attn_tp_rank=rank))
-    import bcg_plugin.adapters.sglang.host as host_module
-
-    monkeypatch.setattr(host_module, "_prefill_context_parallel", lambda: False)
     host = _capture_host(runner)
     fb = host.bcg_dummy_batch(128, graph_attention=False, variant=None).payload.forward_batch
     # as SGLang's own capture batch says it: its MoE takes the share only with a scattered MoE input,

@@ -242,6 +242,26 @@ def test_decode_context_parallelism_is_read_where_the_release_keeps_it(monkeypat
     assert eligibility.runner_reason(_eligible_runner()) == "decode context parallelism"
 
 
+def test_prefill_context_parallelism_keeps_sglangs_own_runner(monkeypatch):
+    """SGLang runs no prefill graph runner under a context-parallel strategy but its own, which
+    captured the context-parallel body: bcg's graphs would be captured and never replayed."""
+    import sglang.srt.model_executor.cuda_graph_config as graph_config
+    from sglang.srt.layers.cp import base
+    from sglang.srt.model_executor import model_runner
+
+    monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
+    monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
+    monkeypatch.setattr(base, "get_cp_strategy", lambda: object())
+    assert eligibility.runner_reason(_eligible_runner()) == "prefill context parallelism"
+    # SGLang's own gate, as the installed release has it: no prefill graph for a runner without its capture
+    monkeypatch.setattr(model_runner, "get_cp_strategy", base.get_cp_strategy)
+    assert not model_runner._prefill_cuda_graph_allows_context_parallel(object(), None)
+    monkeypatch.setattr(base, "get_cp_strategy", lambda: None)
+    runner = _eligible_runner()
+    runner.model_config.is_multimodal = True  # the check after
+    assert eligibility.runner_reason(runner) == "multimodal model"
+
+
 def _eligible_runner(tp=1, **server_args):
     """A runner that passes every check of ``runner_reason`` before decode context parallelism."""
     settings = dict(enable_lora=False, enable_memory_saver=False, enable_return_hidden_states=False,

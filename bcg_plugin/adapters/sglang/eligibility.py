@@ -53,6 +53,9 @@ def runner_reason(model_runner: Any) -> str | None:
         return "pipeline parallelism"
     if _dcp_size(model_runner) > 1:
         return "decode context parallelism"
+    if _prefill_context_parallel():
+        # SGLang replays a prefill graph under it only from its own runner's context-parallel capture.
+        return "prefill context parallelism"
     if model_runner.model_config.is_multimodal:
         return "multimodal model"
     if not model_runner.is_generation:
@@ -114,6 +117,16 @@ def _dcp_size(model_runner: Any) -> int:
 
     parallel = get_parallel()
     return int(getattr(parallel, "attn_dcp_size", None) or getattr(parallel, "dcp_size", 1) or 1)
+
+
+def _prefill_context_parallel() -> bool:
+    """Whether SGLang runs a prefill context-parallel strategy (every release bcg supports gates its
+    prefill graph runners on this in ``_prefill_cuda_graph_allows_context_parallel``)."""
+    try:
+        from sglang.srt.layers.cp.base import get_cp_strategy
+    except ImportError:
+        return False
+    return get_cp_strategy() is not None
 
 
 def _moe_a2a_backend(server_args: Any) -> str | None:

@@ -72,7 +72,7 @@ class SglangHost:
 
         if self._real_rows is None and enable_num_token_non_padded():
             self._real_rows = torch.zeros((), dtype=torch.int32, device=self.device)
-        if split and self._real_rows is not None and not _prefill_context_parallel():  # CP: SGLang keeps it whole
+        if split and self._real_rows is not None:
             self._shared_count.add(num_tokens)
         return self.land_real_rows(num_tokens, num_tokens)
 
@@ -359,14 +359,3 @@ def _dp_layout(model_runner: Any) -> int | None:
     if bool(_sglang_call(require_attn_tp_gather, model_runner.server_args)):
         return 1
     return None
-
-
-def _prefill_context_parallel() -> bool:
-    """Whether SGLang runs prefill context parallelism, where its own graphs keep the count of the
-    step's rows whole (``sharded`` off)."""
-    try:
-        from sglang.srt.layers.attention.dsa.utils import is_dsa_enable_prefill_cp
-        from sglang.srt.layers.cp.utils import is_mla_cp_enabled
-    except ImportError:
-        return False
-    return bool(is_dsa_enable_prefill_cp() or is_mla_cp_enabled())
