@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import logging
+import os
 import types
 
 import pytest
@@ -735,6 +737,56 @@ def test_bcgs_attention_break_calls_attention_past_vllms_marker(monkeypatch):
     finally:
         breaks._capture_inline.reset(token)
     assert out == [["q"]]
+
+
+def test_no_marker_is_left_on_the_installed_attention_function_bcgs_break_calls():
+    """From 0.33 vLLM marks its attention function whatever its breakable graphs; a marker bcg could not
+    strip (vLLM reordering its decorators, say) would meet the refusal and fail every graph-attention
+    capture. A marker wrapper is known by the file vLLM defines it in, not by how ``unmarked`` finds it."""
+    import importlib
+
+    from bcg_plugin.adapters.vllm.attention import unmarked
+    from bcg_plugin.patches.vllm.unified_attention_with_output import PATCH
+
+    def marker_wrappers(fn):
+        found = []
+        while fn is not None:
+            code = getattr(fn, "__code__", None)  # functools.wraps copies the wrapped one's names
+            if code is not None and code.co_filename.endswith(os.path.join("compilation", "breakable_cudagraph.py")):
+                found.append(fn)
+            fn = getattr(fn, "__wrapped__", None)
+        return found
+
+    module, _, name = PATCH.target.rpartition(".")
+    original = getattr(importlib.import_module(module), name)
+    assert marker_wrappers(unmarked(original)) == []
+    if marker_wrappers(original):  # the check can fail: a marker under another wrapper is not stripped
+        outer = functools.wraps(original)(lambda *a, **k: original(*a, **k))
+        assert marker_wrappers(unmarked(outer))
+
+
+def test_is_active_under_the_refusal_stays_traceable_by_torch_compile():
+    """Model code vLLM compiles may ask ``is_active()`` (Cohere2 MoE, ``maybe_execute_in_parallel``):
+    the patched answer must trace as vLLM's own thread-local one does, and be guarded on."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    from bcg_plugin.adapters.vllm.attention import refusing_marked_ops
+
+    assert plugin.apply_runner_patches() is True
+
+    def step(x):
+        return x + 1 if BreakableCUDAGraphCapture.is_active() else x - 1
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True, backend="eager")
+        x = torch.zeros(2)
+        assert compiled(x).tolist() == [-1, -1]
+        with refusing_marked_ops():
+            assert compiled(x).tolist() == [1, 1]
+        assert compiled(x).tolist() == [-1, -1]
+    finally:
+        torch._dynamo.reset()
 
 
 def test_bcgs_capture_context_refuses_marked_ops_for_its_length(monkeypatch):

@@ -22,7 +22,7 @@ around the replay instead.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -80,19 +80,22 @@ def _marked_op(step: Callable[[], Any]) -> str:
 
 
 _REFUSAL = MarkedOpRefusal()
-_refusing: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_vllm_refusing_marked_ops", default=False)
+# Per thread, as vLLM keeps its own capture: model code that torch.compile traces asks for it
+# (``is_active()``), and Dynamo traces a thread-local's attribute, not a context variable's get.
+_capture = threading.local()
 
 
 def capture_refusal() -> MarkedOpRefusal | None:
     """What ``BreakableCUDAGraphCapture.current()`` adds to vLLM's answer: the refusal during bcg's capture."""
-    return _REFUSAL if _refusing.get() else None
+    return _REFUSAL if getattr(_capture, "refusing", False) else None
 
 
 @contextlib.contextmanager
 def refusing_marked_ops() -> Iterator[None]:
     """For the length of bcg's capture (its warm-up forwards included)."""
-    token = _refusing.set(True)
+    before = getattr(_capture, "refusing", False)
+    _capture.refusing = True
     try:
         yield
     finally:
-        _refusing.reset(token)
+        _capture.refusing = before
