@@ -54,8 +54,10 @@ def add_commands(bench: argparse.ArgumentParser) -> None:
         p.add_argument("--sizes", type=_sizes, default=list(harness.DEFAULT_SIZES),
                        help="prompt token counts, comma-separated (default: %s)"
                        % ",".join(map(str, harness.DEFAULT_SIZES)))
-        p.add_argument("--modes", type=_modes(engine), default=list(spec.get("default_modes", spec["modes"])),
-                       help=f"comma-separated, from {','.join(spec['modes'])} (default: all)")
+        defaults = list(spec.get("default_modes", spec["modes"]))
+        p.add_argument("--modes", type=_modes(engine), default=defaults,
+                       help=f"comma-separated, from {','.join(spec['modes'])} (default: "
+                            f"{'all' if defaults == spec['modes'] else ','.join(defaults)})")
         p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for the result files")
         p.add_argument("--timeout", type=_positive_seconds, default=300.0, help="seconds per mode process")
         p.add_argument("--rounds", type=_at_least(1), default=1,
