@@ -62,6 +62,15 @@ def buckets_multiple_of(buckets: Sequence[int], multiple: int, max_tokens: int) 
     return sorted(b for b in rounded if b > 0)
 
 
+def sharded_buckets(max_tokens: int, sizes: Iterable[int] | None, multiple: int) -> list[int] | None:
+    """The buckets (``sizes``, or the reference ladder) of a host that splits every step's rows into
+    ``multiple`` equal shards, each rounded as :func:`buckets_multiple_of` rounds it; ``None`` where
+    ``multiple`` is 1: the buckets stand as they are."""
+    if multiple == 1:
+        return None
+    return buckets_multiple_of(resolve_buckets(max_tokens, sizes), multiple, max_tokens)
+
+
 def choose_bucket(buckets: Sequence[int], num_tokens: int) -> int | None:
     """Smallest bucket >= ``num_tokens`` (``buckets`` ascending); ``None`` above the top: eager."""
     if num_tokens < 1:

@@ -78,3 +78,11 @@ def test_buckets_rounded_to_a_multiple_cover_every_step_the_ladder_covered_withi
     assert choose_bucket(rounded, 985) is None  # padded past the chunk: eager
     assert buckets_multiple_of([16, 17, 32], 16, 64) == [16, 32]
     assert buckets_multiple_of([16], 32, 31) == []
+
+
+def test_sharded_buckets_leave_an_unsplit_hosts_buckets_alone():
+    from bcg_plugin.ladder import sharded_buckets
+
+    assert sharded_buckets(1000, None, 1) is None and sharded_buckets(1000, [10, 20], 1) is None
+    assert sharded_buckets(100, [10, 20, 50, 100], 3) == [12, 21, 51, 99]
+    assert sharded_buckets(64, None, 2) == reference_ladder(64)  # the ladder's steps are already even

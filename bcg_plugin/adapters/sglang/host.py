@@ -11,7 +11,7 @@ import torch
 from bcg_plugin.adapters.sglang.attention import ForwardPass
 from bcg_plugin.adapters.sglang.graph_attention import GraphAttention
 from bcg_plugin import BcgConfig, HostBatch, StaticInput, hookimpl
-from bcg_plugin.ladder import buckets_multiple_of, resolve_buckets
+from bcg_plugin.ladder import sharded_buckets
 
 
 class SglangHost:
@@ -100,10 +100,7 @@ class SglangHost:
         # share, or the ranks' collectives disagree on their sizes: every bucket is a multiple of
         # SGLang's own for graph sizes (its eager steps pad to it; its prefill graphs round to it
         # from 0.5.23).
-        multiple = _size_multiple(self.model_runner)
-        if multiple == 1:
-            return None
-        return buckets_multiple_of(resolve_buckets(config.max_tokens, config.sizes), multiple, config.max_tokens)
+        return sharded_buckets(config.max_tokens, config.sizes, _size_multiple(self.model_runner))
 
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:

@@ -22,7 +22,7 @@ from bcg_plugin import BcgConfig, HostBatch, StaticInput, default_capture_stream
 from bcg_plugin.adapters.vllm.attention import refusing_marked_ops
 from bcg_plugin.adapters.vllm.config import sequence_parallel_multiple
 from bcg_plugin.adapters.vllm.log import logger
-from bcg_plugin.ladder import buckets_multiple_of, resolve_buckets
+from bcg_plugin.ladder import sharded_buckets
 
 
 class VllmHost:
@@ -109,10 +109,7 @@ class VllmHost:
     def bcg_prefill_buckets(self, config: BcgConfig) -> list[int] | None:
         # Under sequence parallelism V1 pads every step to a multiple of the TP size and asserts the
         # dispatched size is one: each bucket is rounded up to one (the top: down, within max_tokens).
-        multiple = sequence_parallel_multiple(self.vllm_config)
-        if multiple == 1:
-            return None
-        return buckets_multiple_of(resolve_buckets(config.max_tokens, config.sizes), multiple, config.max_tokens)
+        return sharded_buckets(config.max_tokens, config.sizes, sequence_parallel_multiple(self.vllm_config))
 
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
