@@ -650,15 +650,16 @@ def test_fa3_keeps_attention_inside_with_an_unquantized_kv_cache_named_explicitl
     assert ga.decline_reason(fa3_runner(kv_cache_dtype_str=dtype), None) is None
 
 
-def test_fa3_request_slots_keep_the_graph_block_table_within_its_budget():
-    # 64 slots of a 16K-token context fit; a 1M-token context's block table would take 256 MiB at 64
+def test_request_slots_keep_the_graph_plans_kv_index_within_its_budget():
+    """SGLang allocates the index after it sized the KV cache: at a 1M-token context, 64 slots would
+    take 256 MiB, fa3's block table and flashinfer's KV indices alike."""
     assert ga.request_slots(model_runner(fa3_backend(context_len=16384), pool_rows=256, context_len=16384),
                             chunk=8192, top=8192) == 64
     huge = model_runner(fa3_backend(pool_rows=2, context_len=1), pool_rows=256, context_len=1 << 20)
     huge.attn_backend.max_num_pages = 1 << 20
-    assert ga.request_slots(huge, chunk=8192, top=8192) == ga.FA3_BLOCK_TABLE_BYTES // (4 << 20) == 16
-    flashinfer = model_runner(pool_rows=256, context_len=1 << 20)  # flashinfer's workspace is sized otherwise
-    assert ga.request_slots(flashinfer, chunk=8192, top=8192) == 64
+    assert ga.request_slots(huge, chunk=8192, top=8192) == ga.GRAPH_KV_INDEX_BYTES // (4 << 20) == 16
+    assert ga.request_slots(model_runner(pool_rows=256, context_len=16384), chunk=8192, top=8192) == 64
+    assert ga.request_slots(model_runner(pool_rows=256, context_len=1 << 20), chunk=8192, top=8192) == 16
 
 
 def test_fa3_is_declined_under_dp_attention_and_for_embedding_models():

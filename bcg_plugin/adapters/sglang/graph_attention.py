@@ -50,10 +50,11 @@ GRAPH_BACKENDS = {
 }
 # SGLang's names for the KV-cache dtypes fa3 reads unquantized.
 FA3_UNQUANTIZED_KV = ("auto", "bf16", "bfloat16", "fp16", "float16")
-# The most device memory fa3's graph block table (r rows of context_len / page_size int32 pages) may
-# take: SGLang allocates it at the first capture, after it has sized the KV cache, so a long context
-# lowers r instead. 64 MiB hold 64 request slots at a 256K-token context.
-FA3_BLOCK_TABLE_BYTES = 64 << 20
+# The most device memory a graph plan's per-request KV index may take: fa3's block table (r rows of
+# context_len / page_size int32 pages), flashinfer's KV indices (r x context_len int32 tokens).
+# SGLang allocates it at the first capture, after it has sized the KV cache, so a long context lowers
+# r instead. 64 MiB hold 64 request slots at a 256K-token context.
+GRAPH_KV_INDEX_BYTES = 64 << 20
 # The fewest request slots a graph bucket plans for. SGLang's own rule (chunked-prefill size / 512)
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
@@ -179,17 +180,20 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     SGLang's ``full_prefill_max_req`` where the operator set it, else its rule (chunk / 512) raised
     to :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows and ``top`` (a step holds no more
     requests than tokens, and flashinfer sizes its graph workspace for at most one request per
-    row), on fa3 at most what :data:`FA3_BLOCK_TABLE_BYTES` holds, and at least the requests the
-    ``top`` bucket's capture batch needs at ``context_len`` tokens each.
+    row), at most what :data:`GRAPH_KV_INDEX_BYTES` holds of the plan's per-request KV index, and at
+    least the requests the ``top`` bucket's capture batch needs at ``context_len`` tokens each.
     """
     from bcg_plugin.adapters.sglang.replay import prefill_graph_config
 
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
     r = int(configured) if configured else chunk_request_slots(chunk)
     r = min(r, int(model_runner.req_to_token_pool.size), top)
+    kind = backend_kind(model_runner.attn_backend)
     pages = getattr(model_runner.attn_backend, "max_num_pages", None)
-    if backend_kind(model_runner.attn_backend) == FA3 and pages:
-        r = min(r, max(1, FA3_BLOCK_TABLE_BYTES // (4 * int(pages))))
+    if kind == FA3 and pages:
+        r = min(r, max(1, GRAPH_KV_INDEX_BYTES // (4 * int(pages))))
+    elif kind == FLASHINFER:
+        r = min(r, max(1, GRAPH_KV_INDEX_BYTES // (4 * int(model_runner.model_config.context_len))))
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
 
 
