@@ -391,6 +391,12 @@ def test_v2_dispatch_gives_graph_attention_buckets_a_full_descriptor_padded_to_t
     assert (small.cg_mode, small.num_tokens, small.num_reqs) == (CUDAGraphMode.FULL, 32, 24)
     large = dispatch(manager, 3, 40, None, num_active_loras=0)
     assert (large.cg_mode, large.num_tokens, large.num_reqs) == (CUDAGraphMode.PIECEWISE, 48, None)
+    # Every request one token (decodes above vLLM's own decode graphs): vLLM plans FA3 for a query
+    # length of 1, a launch other than the one the bucket captured; vLLM's eager answer stands, in a
+    # graph-attention bucket only
+    assert dispatch(manager, 20, 20, 1, num_active_loras=0).cg_mode == CUDAGraphMode.NONE
+    assert dispatch(manager, 19, 20, None, num_active_loras=0).cg_mode == CUDAGraphMode.FULL  # one of 2 tokens
+    assert dispatch(manager, 40, 40, 1, num_active_loras=0).cg_mode == CUDAGraphMode.PIECEWISE  # attention breaks
 
 
 def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_vllm(monkeypatch):
