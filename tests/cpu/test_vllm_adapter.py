@@ -320,7 +320,7 @@ def test_changed_entry_target_warns_once_and_leaves_vllm_unpatched(monkeypatch, 
 class FakeGraphs:
     buckets = [16, 32, 48, 64]
 
-    def bucket_for(self, n):
+    def bucket_for(self, n, num_reqs=None):
         return next((b for b in self.buckets if b >= n), None)
 
     def graph_requests(self, bucket):
@@ -391,12 +391,10 @@ def test_v2_dispatch_gives_graph_attention_buckets_a_full_descriptor_padded_to_t
     assert (small.cg_mode, small.num_tokens, small.num_reqs) == (CUDAGraphMode.FULL, 32, 24)
     large = dispatch(manager, 3, 40, None, num_active_loras=0)
     assert (large.cg_mode, large.num_tokens, large.num_reqs) == (CUDAGraphMode.PIECEWISE, 48, None)
-    # Every request one token (decodes above vLLM's own decode graphs): vLLM plans FA3 for a query
-    # length of 1, a launch other than the one the bucket captured; vLLM's eager answer stands, in a
-    # graph-attention bucket only
-    assert dispatch(manager, 20, 20, 1, num_active_loras=0).cg_mode == CUDAGraphMode.NONE
-    assert dispatch(manager, 19, 20, None, num_active_loras=0).cg_mode == CUDAGraphMode.FULL  # one of 2 tokens
-    assert dispatch(manager, 40, 40, 1, num_active_loras=0).cg_mode == CUDAGraphMode.PIECEWISE  # attention breaks
+    asked = []
+    manager._bcg_graphs.bucket_for = lambda n, num_reqs=None: asked.append(num_reqs) or None
+    assert dispatch(manager, 3, 20, None, num_active_loras=0).cg_mode == CUDAGraphMode.NONE  # bcg declined it
+    assert asked == [3]  # the step's request count goes to bcg's choice with its token count
 
 
 def test_run_fullgraph_replays_bcg_buckets_and_leaves_vllms_own_full_graphs_to_vllm(monkeypatch):
@@ -1455,6 +1453,37 @@ def test_a_graph_attention_bucket_is_captured_with_vllms_full_metadata_for_its_p
     assert calls == [(min(2048, max_seqs), 2048, True, 2048), (16, 16, True, 16), (1, 2048, False, None)]
 
 
+def test_a_step_of_one_token_requests_keeps_out_of_a_graph_attention_bucket_whose_fa3_launch_it_misses():
+    """vLLM plans FA3's scheduler metadata by the step's longest query: at 1 (decodes above vLLM's own
+    decode graphs) FA3 lays its launch out otherwise than the kernel the bucket captured at the
+    bucket's length. Such a step runs as vLLM runs it, counted; Triton's kernel reads no such plan."""
+    from bcg_plugin import RuntimeStats
+    from bcg_plugin.adapters.vllm.host import V2Host
+    from bcg_plugin.adapters.vllm.replay import VllmPrefillGraphs
+
+    def backends(*names):
+        return [[types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda n=n: n)) for n in names]]
+
+    host = object.__new__(V2Host)
+    host.attn_groups = backends("FLASH_ATTN")
+    assert host.plans_one_token_steps_apart()
+    host.attn_groups = backends("TRITON_ATTN")
+    assert not host.plans_one_token_steps_apart()
+
+    stats = RuntimeStats()
+    graphs = object.__new__(VllmPrefillGraphs)
+    graphs.runner = types.SimpleNamespace(bucket_for=lambda n: 32 if n <= 32 else 48, record_fallback=stats.record_fallback)
+    graphs.reporter = types.SimpleNamespace(tick=lambda: None)
+    graphs._graph_requests, graphs._dispatched, graphs._one_token_steps_apart = {32: 24}, {}, True
+    assert graphs.bucket_for(20, 20) is None and graphs._dispatched == {}  # eager, and nothing left dispatched
+    assert stats.fallbacks["feature_not_captured"] == 1
+    assert graphs.bucket_for(20, 19) == 32  # one request of two tokens: the launch the bucket captured
+    assert graphs.bucket_for(40, 40) == 48  # attention breaks there: vLLM plans the live batch
+    assert graphs.bucket_for(20) == 32  # no request count (V1, which keeps attention out of the graph)
+    graphs._one_token_steps_apart = False  # Triton
+    assert graphs.bucket_for(20, 20) == 32
+
+
 def test_a_full_replay_lands_the_count_last_dispatched_to_its_bucket_and_refuses_one_never_dispatched():
     """A FULL step passes no batch: the real rows are those vLLM last dispatched to the bucket (a
     dispatch that was not replayed is overwritten by the step's own); a replay with none dispatched
@@ -1468,7 +1497,7 @@ def test_a_full_replay_lands_the_count_last_dispatched_to_its_bucket_and_refuses
                                           replay=lambda bucket, batch: replays.append((bucket, batch)) or "hidden")
     graphs.reporter = types.SimpleNamespace(tick=lambda: None)
     graphs.host = types.SimpleNamespace(persistent_inputs={"input_ids": torch.arange(64), "positions": torch.arange(64)})
-    graphs._dispatched = {}
+    graphs._dispatched, graphs._graph_requests, graphs._one_token_steps_apart = {}, {}, False
     graphs.bucket_for(20)  # dispatched, never replayed
     graphs.bucket_for(30)  # the step's count, same bucket
     graphs.bucket_for(40)

@@ -77,6 +77,11 @@ class VllmHost:
         """The persistent metadata buffers a graph-attention replay reads, by name (for fault plugins)."""
         return {}
 
+    def plans_one_token_steps_apart(self) -> bool:
+        """Whether vLLM lays out a step of one-token requests for another launch than the one a
+        graph-attention bucket captured, so such a step cannot replay one (:class:`V2Host`)."""
+        return False
+
     def lower_graph_bound(self) -> None:
         """Put back the metadata builders' graph bound :meth:`bcg_graph_attention` raised, once no
         graph of this host will replay (a failed capture, or closed graphs)."""
@@ -236,6 +241,12 @@ class V2Host(VllmHost):
 
     def graph_metadata_buffers(self) -> dict[str, torch.Tensor]:
         return {"seq_lens": self.input_buffers.seq_lens}
+
+    def plans_one_token_steps_apart(self) -> bool:
+        # vLLM plans FA3's scheduler metadata by the step's longest query: at a length of 1 (head
+        # dim 64 or 256) FA3 launches non-causal without head swizzling, a layout the kernel
+        # captured at the bucket's length does not read. Triton's kernel reads no such plan.
+        return any(group.backend.get_name() == "FLASH_ATTN" for groups in self.attn_groups for group in groups)
 
     @hookimpl
     def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:

@@ -77,6 +77,7 @@ class VllmPrefillGraphs:
         )
         self._buckets = frozenset()
         self._graph_requests: dict[int, int] = {}
+        self._one_token_steps_apart = False  # such steps run eagerly, not in a graph-attention bucket
         self._dispatched: dict[int, int] = {}  # bucket -> the token count vLLM last dispatched to it
         self._slot_mapping_probe: tuple[tuple[str, int], ...] = ()
         self.reporter = stats_reporter(self.runner.stats, reports=self._reports)
@@ -113,6 +114,7 @@ class VllmPrefillGraphs:
             return
         self._buckets = frozenset(self.runner.buckets)
         self._graph_requests = {b: self.host.graph_requests(b) for b in self.runner.graph_attention}
+        self._one_token_steps_apart = bool(self._graph_requests) and self.host.plans_one_token_steps_apart()
         self._slot_mapping_probe = slot_mapping_probe(self.host.capture_contexts[self.runner.buckets[-1]])
         if not faults.active():  # a fault plugin may have replays read them (bcg_plugin.faults)
             self.host.capture_contexts.clear()
@@ -127,10 +129,15 @@ class VllmPrefillGraphs:
 
     # -- per step --------------------------------------------------------------------------------
 
-    def bucket_for(self, num_tokens: int) -> int | None:
-        """The padded size vLLM should run ``num_tokens`` at, or ``None`` (eager; reason counted)."""
+    def bucket_for(self, num_tokens: int, num_reqs: int | None = None) -> int | None:
+        """The padded size vLLM should run ``num_tokens`` (of ``num_reqs`` requests, where known) at,
+        or ``None`` (eager; reason counted)."""
         bucket = self.runner.bucket_for(num_tokens)
         self.reporter.tick()
+        if (bucket is not None and self._one_token_steps_apart and bucket in self._graph_requests
+                and num_reqs is not None and num_reqs >= num_tokens):
+            self.runner.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
+            return None
         if bucket is not None:
             self._dispatched[bucket] = num_tokens
         return bucket

@@ -5,10 +5,10 @@ PIECEWISE without request padding where attention breaks, so vLLM builds the ste
 the live batch and bcg's forward runs inside its forward context; FULL with the bucket's request
 count where bcg captured attention inside the graph, so vLLM lands the step's metadata into its
 persistent FULL-mode buffers, padded to that count, as for its own FULL graphs, and hands the
-replay to ``ModelCudaGraphManager.run_fullgraph`` (except a step whose every request is one token
-long: vLLM plans FA3 for it as for a decode launch, not the one the bucket captured; it runs as vLLM
-would run it). vLLM's DP synchronisation calls this same method
-with the synced token count, so every rank gets the same bucket and mode. Bucket sizes are fixed
+replay to ``ModelCudaGraphManager.run_fullgraph``. The step's request count goes to bcg's bucket
+choice with its token count: a step of one-token requests does not match the FA3 launch a
+graph-attention bucket captured, and keeps vLLM's answer. vLLM's DP synchronisation calls this same
+method with the synced token count, so every rank gets the same bucket and mode. Bucket sizes are fixed
 points (bucket(b) == b).
 A microbatched dispatch (``num_ubatches > 1``, dual-batch overlap) keeps vLLM's answer: bcg's graphs
 are not split into microbatches.
@@ -30,17 +30,12 @@ def _bucketed(self, desc, num_reqs, num_tokens):
     graphs = getattr(self, "_bcg_graphs", None)
     if graphs is None or desc.cg_mode.value != 0 or num_tokens <= 0 or getattr(desc, "num_ubatches", 1) != 1:
         return desc
-    bucket = graphs.bucket_for(num_tokens)
+    bucket = graphs.bucket_for(num_tokens, num_reqs)
     if bucket is None:
         return desc
     from vllm.config.compilation import CUDAGraphMode
 
     requests = graphs.graph_requests(bucket)  # None: attention breaks in this bucket
-    if requests is not None and num_reqs >= num_tokens:
-        # Every request one token long: vLLM plans FA3 for a query length of 1 (a launch laid out
-        # otherwise than the bucket's kernel, captured at the bucket's length), as only its own decode
-        # graphs, captured at that length, may read it.
-        return desc
     mode = CUDAGraphMode.PIECEWISE if requests is None else CUDAGraphMode.FULL
     return type(desc)(cg_mode=mode, num_tokens=bucket, num_reqs=requests, num_active_loras=desc.num_active_loras)
 
@@ -76,8 +71,8 @@ def make_ubatches(original):
 TARGET = "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.dispatch"
 REASON = ("V2: batches vLLM would run eagerly get the bcg bucket: `PIECEWISE` (no request padding) where "
           "attention breaks, `FULL` with the bucket's request count where it is captured inside the graph "
-          "(vLLM then lands the step's metadata in its FULL-mode buffers; not for a step of one-token requests, "
-          "whose FA3 plan is a decode launch's); vLLM's DP sync calls the same method with the synced count")
+          "(vLLM then lands the step's metadata in its FULL-mode buffers); vLLM's DP sync calls the same "
+          "method with the synced count")
 REMOVE_WHEN = "vLLM dispatches mixed batches to an external prefill-graph runner"
 
 PATCHES = (
