@@ -68,7 +68,12 @@ def sharded_buckets(max_tokens: int, sizes: Iterable[int] | None, multiple: int)
     ``multiple`` is 1: the buckets stand as they are."""
     if multiple == 1:
         return None
-    return buckets_multiple_of(resolve_buckets(max_tokens, sizes), multiple, max_tokens)
+    rounded = buckets_multiple_of(resolve_buckets(max_tokens, sizes), multiple, max_tokens)
+    if not rounded:
+        raise BcgConfigError(f"max_tokens={max_tokens} holds no bucket: the host splits each step into {multiple} "
+                             f"equal shards, so a bucket is a multiple of {multiple}; raise max_tokens to at least "
+                             f"{multiple}, or set it to 0 to disable prefill graphs")
+    return rounded
 
 
 def choose_bucket(buckets: Sequence[int], num_tokens: int) -> int | None:

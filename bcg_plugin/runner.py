@@ -81,7 +81,7 @@ class PrefillGraphRunner:
         self.buckets: list[int] = []
         if self.config.active:
             from_host = self._hook.bcg_prefill_buckets(config=self.config)
-            self.buckets = resolve_buckets(self.config.max_tokens, from_host or self.config.sizes)
+            self.buckets = resolve_buckets(self.config.max_tokens, self.config.sizes if from_host is None else from_host)
         self.stats = RuntimeStats()
         self._graphs: dict[int, SegmentedGraph] = {}
         self._variant_graphs: dict[tuple[int, str], SegmentedGraph] = {}

@@ -86,3 +86,5 @@ def test_sharded_buckets_leave_an_unsplit_hosts_buckets_alone():
     assert sharded_buckets(1000, None, 1) is None and sharded_buckets(1000, [10, 20], 1) is None
     assert sharded_buckets(100, [10, 20, 50, 100], 3) == [12, 21, 51, 99]
     assert sharded_buckets(64, None, 2) == reference_ladder(64)  # the ladder's steps are already even
+    with pytest.raises(BcgConfigError, match="max_tokens=24 holds no bucket: .* multiple of 32"):
+        sharded_buckets(24, None, 32)

@@ -251,14 +251,14 @@ def test_prefill_context_parallelism_keeps_sglangs_own_runner(monkeypatch):
 
     monkeypatch.setattr(graph_config, "check_cuda_graph_backend", lambda phase, backend: True)
     monkeypatch.setattr(eligibility, "_dcp_size", lambda runner: 1)
+    runner = _eligible_runner()
+    runner.model_config.is_multimodal = True  # the check after: what is named where CP is not
     monkeypatch.setattr(base, "get_cp_strategy", lambda: object())
-    assert eligibility.runner_reason(_eligible_runner()) == "prefill context parallelism"
+    assert eligibility.runner_reason(runner) == "prefill context parallelism"
     # SGLang's own gate, as the installed release has it: no prefill graph for a runner without its capture
     monkeypatch.setattr(model_runner, "get_cp_strategy", base.get_cp_strategy)
     assert not model_runner._prefill_cuda_graph_allows_context_parallel(object(), None)
     monkeypatch.setattr(base, "get_cp_strategy", lambda: None)
-    runner = _eligible_runner()
-    runner.model_config.is_multimodal = True  # the check after
     assert eligibility.runner_reason(runner) == "multimodal model"
 
 

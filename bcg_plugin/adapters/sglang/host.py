@@ -336,8 +336,9 @@ def _sglang_call(fn: Any, server_args: Any) -> Any:
 
 
 def _size_multiple(model_runner: Any) -> int:
-    """The multiple SGLang sizes its graphs' token counts to: the attention-TP width where a step's
-    rows are scattered between those ranks (times two under two-batch overlap), else 1."""
+    """The multiple SGLang sizes its graphs' token counts to (``get_cuda_graph_batch_size_alignment``):
+    the attention-TP width where a step's rows are scattered between those ranks, doubled under
+    two-batch overlap, a multiple of the attention context-parallel width; 1 in a plain layout."""
     from sglang.srt.utils.common import get_cuda_graph_batch_size_alignment
 
     return int(_sglang_call(get_cuda_graph_batch_size_alignment, model_runner.server_args))
