@@ -349,11 +349,11 @@ def _dp_layout(model_runner: Any) -> int | None:
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils import require_attn_tp_gather, require_mlp_tp_gather
 
-    if bool(_sglang_call(require_mlp_tp_gather, model_runner.server_args)):
+    if _sglang_call(require_mlp_tp_gather, model_runner.server_args):
         parallel = get_parallel()
         # SGLang 0.5.23 resolves DP attention to attn_dp_size ranks with dp_size 1 (replicas); its
         # num_dp_ranks counts both, as its own runner captures with.
         return parallel.num_dp_ranks if hasattr(type(parallel), "num_dp_ranks") else parallel.dp_size
-    if bool(_sglang_call(require_attn_tp_gather, model_runner.server_args)):
+    if _sglang_call(require_attn_tp_gather, model_runner.server_args):
         return 1
     return None

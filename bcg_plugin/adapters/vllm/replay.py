@@ -134,12 +134,13 @@ class VllmPrefillGraphs:
         or ``None`` (eager; reason counted)."""
         bucket = self.runner.bucket_for(num_tokens)
         self.reporter.tick()
-        if (bucket is not None and self._one_token_steps_apart and bucket in self._graph_requests
+        if bucket is None:
+            return None
+        if (self._one_token_steps_apart and bucket in self._graph_requests
                 and num_reqs is not None and num_reqs >= num_tokens):
             self.runner.record_fallback(Fallback.FEATURE_NOT_CAPTURED)
             return None
-        if bucket is not None:
-            self._dispatched[bucket] = num_tokens
+        self._dispatched[bucket] = num_tokens
         return bucket
 
     def graph_requests(self, bucket: int) -> int | None:
