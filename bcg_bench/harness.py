@@ -327,7 +327,7 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
     run_order = _processes(result)
     fastest = hostspeed.fastest_probe_us([s for *_, s in run_order])
     for mine in dict.fromkeys(("bcg", *targets.CONFIGURATIONS.get(result["engine"], {}))):
-        lines += _ratio_sections(good, sizes, mine, run_order, fastest, result.get("replaced") or [])
+        lines += _ratio_sections(good, sizes, mine, run_order, fastest)
     lines += hostspeed.markdown(run_order)
     if result.get("replaced"):
         lines += ["Run again because the probe flagged them slow when they ended (kept in the result file under "
@@ -474,11 +474,9 @@ def _processes(result: dict) -> list[tuple[str, int, dict | None]]:
     return processes
 
 
-def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fastest: float | None,
-                    replaced: list[dict]) -> list[str]:
+def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fastest: float | None) -> list[str]:
     """The ratio tables of bcg mode ``mine`` against the other modes (``bcg_compile``: against the
-    host's own modes only): per-N minimum, paired by round, paired over unflagged rounds, and at
-    equal host speed (``replaced``: the processes the probe had run again)."""
+    host's own modes only): per-N minimum, paired by round, and paired over unflagged rounds."""
     if mine not in good or len(good) < 2:
         return []
     only = None if mine == "bcg" else {m for m in good if not m.startswith("bcg")}
@@ -504,51 +502,6 @@ def _ratio_sections(good: dict, sizes: list[str], mine: str, run_order: list, fa
                   "Small-N latencies are host-bound: a pair with one slow process compares the host, not the "
                   "modes. Columns name how many rounds were kept.", ""]
         lines += [*_table(sizes, both_fast, 3), ""] if both_fast else ["No round is free of a slow process.", ""]
-    return lines + _equal_speed_section(good, replaced, sizes, mine, only, title)
-
-
-def _equal_speed_section(good: dict, replaced: list[dict], sizes: list[str], mine: str,
-                         only: set[str] | None, title: str) -> list[str]:
-    """``mine``'s e2e over each other mode's (those in ``only``, if given) at equal host speed:
-    each mode's latency at N fitted against its processes' probes, read at the fastest probe
-    among them; then the forward's host time read the same way, which places the
-    end-to-end gap inside the forward or outside it. Every process counts, those the probe had run
-    again included: they were replaced for their host speed, which the fit accounts for. Empty
-    unless ``mine`` and another mode have ``hostspeed.MIN_FIT_PROCESSES`` probed processes."""
-    processes = {m: [r for r in (d.get("rounds") or [d]) + [x for x in replaced if x.get("mode") == m]
-                     if "e2e_ms" in r and r.get("host_speed")]
-                 for m, d in good.items() if m == mine or only is None or m in only}
-    fitted = {m: runs for m, runs in processes.items() if len(runs) >= hostspeed.MIN_FIT_PROCESSES}
-    if mine not in fitted or len(fitted) < 2:
-        return []
-    probe = min(r["host_speed"]["probe_us"] for runs in fitted.values() for r in runs)
-
-    def points(mode: str, key: str, n: str) -> list[tuple[float, float]]:
-        found = [(r["host_speed"]["probe_us"], r[key][n]) for r in fitted[mode] if n in (r.get(key) or {})]
-        return found if len(found) == len(fitted[mode]) else []
-
-    def tables(key: str) -> list[str]:
-        columns = {f"{mine} / {m} ({len(fitted[mine])} and {len(runs)} processes)": {
-            n: _ratio(hostspeed.latency_at(points(mine, key, n), probe), hostspeed.latency_at(points(m, key, n), probe))
-            for n in sizes} for m, runs in fitted.items() if m != mine}
-        if all(v is None for c in columns.values() for v in c.values()):
-            return []
-        quality = "; ".join(f"{m} " + "/".join(_fmt(hostspeed.fit_quality(points(m, key, n))) for n in sizes)
-                            for m in sorted(fitted, key=lambda m: m != mine))
-        return [*_table(sizes, columns, 3), "",
-                f"Correlation with probe, per N ({', '.join(sizes)}); near 1, host speed explains a mode's spread "
-                f"and the line holds: {quality}.", ""]
-
-    lines = [f"## End-to-end ratios{title} at equal host speed (below 1: {mine} faster)", "",
-             "Small-N latency follows the host probe from process to process. Per mode and N, a least-squares line "
-             "of each process's latency against its probe (processes run again included), read at the fastest "
-             f"probe among them ({probe:.0f} µs): the modes compared on the same host speed, not by which of "
-             f"their processes landed on a fast host. A mode needs {hostspeed.MIN_FIT_PROCESSES} or more probed "
-             "processes.", "", *tables("e2e_ms")]
-    forward = tables("forward_host_ms")
-    if forward:
-        lines += ["The host time issuing the model forward, read the same way: the part of the end-to-end ratio "
-                  "that lies in the forward.", "", *forward]
     return lines
 
 

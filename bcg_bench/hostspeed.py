@@ -5,8 +5,8 @@ Python) a third slower than the next, with the same calls and ops. Small-N laten
 host-bound, so such a process decides a small-N comparison by itself. The probe makes
 that visible in the result file: every mode process times the same pure-Python workload between its
 timed requests, on the main thread, which issues them, and records which CPUs that thread ran on.
-Across a mode's processes latency follows the probe closely, so :func:`latency_at` reads each mode
-at one host speed: the comparison a run with fast and slow processes on both sides can still make.
+The report flags a slow process, shows the paired ratios again without the rounds it spoiled, and
+``--rerun-slow`` runs it again in its place; targets are read on the paired ratios alone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import time
 PROBE_LOOPS = 20_000  # about 1 ms of pure Python on a current server core: cheap between requests
 PROBE_REPEATS = 3  # best of three: a single preemption is not a slow host
 SLOW_FACTOR = 1.10  # a process whose median probe is this much above the run's fastest is flagged
-MIN_FIT_PROCESSES = 3  # a line through two processes fits any pair: three is the fewest that can disagree
 
 
 def probe_us() -> float:
@@ -70,35 +69,6 @@ def is_slow(summary: dict | None, fastest: float | None) -> bool:
     """Whether a process's probe median is more than ``SLOW_FACTOR`` above the run's fastest; a
     process without a probe is not called slow."""
     return bool(summary and fastest and summary["probe_us"] / fastest > SLOW_FACTOR)
-
-
-def latency_at(points: list[tuple[float, float]], probe_us: float) -> float | None:
-    """The latency a mode's processes predict at host speed ``probe_us``.
-
-    ``points`` are (probe µs, latency) of each process of one mode at one N. A least-squares line
-    through them is read at ``probe_us``, so two modes compare at the same host speed instead of by
-    whichever of their processes happened to land on a fast host. ``None`` with fewer than
-    ``MIN_FIT_PROCESSES`` points, or when every probe is the same (the line has no slope to read).
-    """
-    if len(points) < MIN_FIT_PROCESSES:
-        return None
-    probes, latencies = zip(*points)
-    try:
-        slope, intercept = statistics.linear_regression(probes, latencies)
-    except statistics.StatisticsError:
-        return None
-    return intercept + slope * probe_us
-
-
-def fit_quality(points: list[tuple[float, float]]) -> float | None:
-    """Pearson's correlation of latency with probe over ``points`` (as for ``latency_at``): near 1,
-    host speed explains the spread and the line's reading holds; ``None`` where it cannot be computed."""
-    if len(points) < MIN_FIT_PROCESSES:
-        return None
-    try:
-        return statistics.correlation(*zip(*points))
-    except statistics.StatisticsError:
-        return None
 
 
 def markdown(processes: list[tuple[str, int, dict | None]]) -> list[str]:

@@ -71,16 +71,13 @@ def test_the_run_report_lists_processes_in_run_order_with_their_round(tmp_path, 
         "e2e 16:5.00 (host probe 900 µs)")
 
 
-def _run_with(tmp_path, monkeypatch, e2e, probes, rounds, forward_host=None):
+def _run_with(tmp_path, monkeypatch, e2e, probes, rounds):
     seen = {m: 0 for m in e2e}
 
     def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
         k = seen[mode]
         seen[mode] += 1
-        data = {"e2e_ms": {str(n): e2e[mode][k] for n in sizes}, "host_speed": _speed(probes[mode][k])}
-        if forward_host:
-            data["forward_host_ms"] = {str(n): forward_host[mode][k] for n in sizes}
-        return data
+        return {"e2e_ms": {str(n): e2e[mode][k] for n in sizes}, "host_speed": _speed(probes[mode][k])}
 
     monkeypatch.setattr(harness, "run_mode", fake_run_mode)
     monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
@@ -135,67 +132,3 @@ def test_rerun_slow_runs_a_flagged_process_again_in_its_place_and_keeps_the_repl
     calls.clear()
     plain = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path / "plain", 10)
     assert "replaced" not in json.loads(plain.read_text()) and calls == ["native", "bcg"]  # default: no reruns
-
-
-def test_latency_at_reads_a_least_squares_line_at_the_given_probe():
-    on_line = [(900.0, 1 + 0.004 * 900), (1300.0, 1 + 0.004 * 1300), (1700.0, 1 + 0.004 * 1700)]
-    assert hostspeed.latency_at(on_line, 1000.0) == pytest.approx(5.0)
-    assert hostspeed.fit_quality(on_line) == pytest.approx(1.0)
-    scattered = [(900.0, 5.0), (1000.0, 4.0), (1100.0, 6.0), (1200.0, 5.0)]
-    assert hostspeed.latency_at(scattered, 1000.0) == pytest.approx(4.9)  # slope 0.003 through the mean (1050, 5.0)
-    assert hostspeed.fit_quality(scattered) == pytest.approx(0.1 ** 0.5)
-    assert hostspeed.latency_at(on_line[:2], 1000.0) is None  # two points fit any line
-    assert hostspeed.latency_at([(1000.0, 5.0), (1000.0, 5.1), (1000.0, 4.9)], 900.0) is None  # no spread in probe
-    assert hostspeed.fit_quality([(1000.0, 5.0), (1000.0, 5.1), (1000.0, 4.9)]) is None
-
-
-EQUAL_SPEED = "## End-to-end ratios at equal host speed"
-FORWARD_AT_EQUAL_SPEED = "The host time issuing the model forward, read the same way"
-
-
-def test_equal_speed_ratios_compare_modes_at_the_same_probe_not_by_their_luckiest_process(tmp_path, monkeypatch):
-    # Latency is 5 µs per probe µs for bcg and 2% more for native. bcg's processes all ran on a slow
-    # host, native's on a fast one: the per-N minimum calls bcg 27% slower, at equal speed it is 2% faster.
-    bcg_probes, native_probes = [1300.0, 1400.0, 1500.0], [1000.0, 1100.0, 1200.0]
-    md = _run_with(tmp_path, monkeypatch,
-                   {"bcg": [0.005 * p for p in bcg_probes], "native": [0.0051 * p for p in native_probes]},
-                   {"bcg": bcg_probes, "native": native_probes}, rounds=3)
-    assert "| 16 | 1.275 |" in md.split("## End-to-end ratios (below 1")[1].split("##")[0]  # 6.5 / 5.1
-    section = md.split(EQUAL_SPEED)[1].split("## Host speed")[0]
-    assert "fastest probe among them (1000 µs)" in section
-    assert "| N | bcg / native (3 and 3 processes) |" in section and "| 16 | 0.980 |" in section
-    assert "bcg 1.00; native 1.00." in section
-    assert FORWARD_AT_EQUAL_SPEED not in section  # no mode timed its forward's host time
-
-
-def test_equal_speed_section_places_the_gap_inside_the_forward_or_outside_it(tmp_path, monkeypatch):
-    # End to end bcg is 2% faster at equal speed; its forward's host time alone is 4% slower.
-    probes = {"bcg": [1300.0, 1400.0, 1500.0], "native": [1000.0, 1100.0, 1200.0]}
-    md = _run_with(tmp_path, monkeypatch,
-                   {"bcg": [0.005 * p for p in probes["bcg"]], "native": [0.0051 * p for p in probes["native"]]},
-                   probes, rounds=3,
-                   forward_host={"bcg": [0.0026 * p for p in probes["bcg"]],
-                                 "native": [0.0025 * p for p in probes["native"]]})
-    e2e, forward = md.split(EQUAL_SPEED)[1].split("## Host")[0].split(FORWARD_AT_EQUAL_SPEED)
-    assert "| 16 | 0.980 |" in e2e and "| 16 | 1.040 |" in forward
-
-
-def test_equal_speed_ratios_count_processes_run_again_and_need_three_per_mode(tmp_path, monkeypatch):
-    # Two rounds give each mode two kept processes; bcg's replaced first try is its third point.
-    runs = iter([(5.0, 1000.0), (7.5, 1500.0), (5.5, 1100.0), (5.25, 1050.0), (5.2, 1040.0)])
-
-    def fake_run_mode(engine, mode, model, sizes, timeout_s, parallel, profile_tokens, attention_backend=None):
-        e2e, probe = next(runs)
-        return {"e2e_ms": {str(n): e2e for n in sizes}, "host_speed": _speed(probe)}
-
-    monkeypatch.setattr(harness, "run_mode", fake_run_mode)
-    monkeypatch.setattr(harness.importlib.metadata, "version", lambda name: "9.9.9")
-    path = harness.run("vllm", "qwen3-0.6b", [16], ["native", "bcg"], tmp_path, 10, rounds=2, rerun_slow=1)
-    result = json.loads(path.read_text())
-    assert len(result["replaced"]) == 1 and len(result["modes"]["bcg"]["rounds"]) == 2
-    assert EQUAL_SPEED not in path.with_name(path.name.replace(".json", ".md")).read_text()  # native has two
-    result["replaced"].append({"mode": "native", "round": 2, "e2e_ms": {"16": 7.0}, "host_speed": _speed(1400.0)})
-    path.write_text(json.dumps(result))
-    harness.render(path)
-    section = path.with_name(path.name.replace(".json", ".md")).read_text().split(EQUAL_SPEED)[1]
-    assert "| N | bcg / native (3 and 3 processes) |" in section
