@@ -29,7 +29,7 @@ from bcg_plugin.adapters.sglang.replay import BcgPrefillRunner  # noqa: E402
 from bcg_plugin.stats import StatsReporter  # noqa: E402
 from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError  # noqa: E402
 from bcg_plugin.patches.sglang import Hook  # noqa: E402
-from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, RuntimeStats, plugin_manager  # noqa: E402
+from bcg_plugin import BcgConfig, BcgConfigError, PrefillGraphRunner, plugin_manager  # noqa: E402
 
 QWEN3_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,

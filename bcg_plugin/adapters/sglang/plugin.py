@@ -11,7 +11,6 @@ SGLang's default prefill backend.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
