@@ -17,7 +17,7 @@ Each mode is one prefill runtime whatever the model: ``VLLM_USE_BREAKABLE_CUDAGR
 native modes (a dense model is not on the list of architectures vLLM graphs breakably by itself from
 0.29) and ``0`` for eager, compile, full and full_plain (so a listed architecture does not switch
 compile to breakable graphs); unset for the bcg modes, where bcg sets it. ``VLLM_USE_V2_MODEL_RUNNER``
-is left as the caller sets it (``0`` selects the V1 runner, still selectable on every release bcg covers).
+is left as the caller sets it (``0`` selects the V1 runner through 0.33; 0.34 has only V2).
 Per N: one request of N prompt tokens, one output token, prefix cache off; the end-to-end
 ``LLM.generate`` median and the model-forward median (CUDA events around the forward, through a
 wrapper on the runners' ``set_forward_context`` and on the V2 runner's FULL-graph replay, which runs
@@ -111,6 +111,18 @@ def _env_for(mode: str, in_process: bool = True) -> None:
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = value
 
 
+def runner_modules() -> list:
+    """vLLM's model runner modules in this release: V2's, and V1's up to 0.33 (0.34 removed it)."""
+    import importlib
+
+    import vllm.v1.worker.gpu.model_runner as v2
+
+    try:
+        return [v2, importlib.import_module("vllm.v1.worker.gpu_model_runner")]
+    except ImportError:
+        return [v2]
+
+
 class Timers:
     """Capture time and memory around ``capture_model``, CUDA events around each model forward: the
     body of the runners' ``set_forward_context``, and the V2 runner's FULL-graph replay
@@ -135,12 +147,12 @@ class Timers:
 
     def install(self) -> None:
         import vllm.v1.worker.gpu.cudagraph_utils as graphs
-        import vllm.v1.worker.gpu.model_runner as v2
-        import vllm.v1.worker.gpu_model_runner as v1
         from vllm.v1.worker.gpu_worker import Worker
 
         Worker.initialize_from_config = self._timed_kv_cache(Worker.initialize_from_config)
-        for module in (v2, v1):
+        if hasattr(Worker, "extend_kv_cache"):  # 0.34's extensible KV cache commits its size after capture
+            Worker.extend_kv_cache = self._timed_kv_extension(Worker.extend_kv_cache)
+        for module in runner_modules():
             runner = module.GPUModelRunner
             runner.capture_model = self._timed_capture(runner.capture_model)
             module.set_forward_context = self._timed_context(module.set_forward_context)
@@ -188,6 +200,16 @@ class Timers:
             return result
 
         return initialize_from_config
+
+    def _timed_kv_extension(self, original):
+        @functools.wraps(original)
+        def extend_kv_cache(worker, *args, **kwargs):
+            used_before = used_device_bytes()
+            result = original(worker, *args, **kwargs)
+            self.kv_cache_bytes += used_device_bytes() - used_before
+            return result
+
+        return extend_kv_cache
 
     @contextlib.contextmanager
     def _timed(self, num_tokens: int):

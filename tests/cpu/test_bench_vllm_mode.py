@@ -145,10 +145,8 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
         free[0] -= kv_cache_config
 
     monkeypatch.setattr(Worker, "initialize_from_config", allocate)
-    import vllm.v1.worker.gpu.model_runner as v2
-    import vllm.v1.worker.gpu_model_runner as v1
 
-    for module in (v1, v2):  # install() wraps these too; restored after the test
+    for module in bench.runner_modules():  # install() wraps these too; restored after the test
         monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
         monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
     import vllm.v1.worker.gpu.cudagraph_utils as graphs
@@ -163,6 +161,13 @@ def test_bench_timers_measure_the_kv_cache_vllm_allocates(monkeypatch):
     assert timers.graph_estimate_bytes == 2**29  # what the worker's memory profiling set before
     assert (timers.weight_bytes, timers.vocab_weight_bytes) == ((4 * 8 + 8) * 2, 0)  # the model loaded before it
     assert bench.used_device_bytes() == (140 - 77) * 2**30
+    if hasattr(Worker, "extend_kv_cache"):
+        # 0.34's extensible KV cache reserves address space above, commits the null block, and
+        # commits the measured size only after capture: that part counts as KV cache too.
+        monkeypatch.setattr(Worker, "extend_kv_cache", lambda worker, num_blocks: allocate(worker, num_blocks))
+        timers.install()
+        Worker.extend_kv_cache(worker, 2 * 2**30)
+        assert timers.kv_cache_bytes == 5 * 2**30
 
 
 def test_bench_has_the_six_modes_and_full_graphs_every_batch_up_to_the_chunk():
@@ -256,8 +261,6 @@ def test_bench_timers_leave_bcgs_runner_patches_verifiable(monkeypatch, vllm_plu
     """The bcg modes install the runner patches, then the timers over them; vLLM's front end then
     verifies the runner set before enabling bcg. A timer that hides the patched signature made it
     decline ("the vLLM model runner changed") and the bcg modes measured vLLM without bcg."""
-    import vllm.v1.worker.gpu.model_runner as v2
-    import vllm.v1.worker.gpu_model_runner as v1
     from vllm.v1.worker.gpu_worker import Worker
 
     from bcg_bench import vllm_mode as bench
@@ -269,7 +272,7 @@ def test_bench_timers_leave_bcgs_runner_patches_verifiable(monkeypatch, vllm_plu
     from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, Wrap
 
     monkeypatch.setattr(Worker, "initialize_from_config", Worker.initialize_from_config)
-    for module in (v1, v2):  # install() wraps these; restored after the test
+    for module in bench.runner_modules():  # install() wraps these; restored after the test
         monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
         monkeypatch.setattr(module, "set_forward_context", module.set_forward_context)
     monkeypatch.setattr(graphs.ModelCudaGraphManager, "run_fullgraph", graphs.ModelCudaGraphManager.run_fullgraph)
@@ -434,14 +437,13 @@ def test_the_v2_full_graph_replay_is_timed_once_outside_a_forward_context_and_no
     import torch
     import vllm.v1.worker.gpu.cudagraph_utils as graphs
     import vllm.v1.worker.gpu.model_runner as v2
-    import vllm.v1.worker.gpu_model_runner as v1
     from vllm.v1.worker.gpu_worker import Worker
 
     from bcg_bench import vllm_mode as bench
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(Worker, "initialize_from_config", Worker.initialize_from_config)
-    for module in (v1, v2):  # install() wraps these; restored after the test
+    for module in bench.runner_modules():  # install() wraps these; restored after the test
         monkeypatch.setattr(module.GPUModelRunner, "capture_model", module.GPUModelRunner.capture_model)
         monkeypatch.setattr(module, "set_forward_context", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(graphs.ModelCudaGraphManager, "run_fullgraph", lambda self, desc: f"hidden[{desc.num_tokens}]")

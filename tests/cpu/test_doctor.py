@@ -167,7 +167,7 @@ def test_a_host_run_untested_is_named_so_and_its_opt_in_is_not_called_unread(mon
     from bcg_plugin.versions import UNTESTED_ENV
 
     version = importlib.import_module(f"bcg_plugin.adapters.{engine}.version")
-    newer = {"vllm": "0.34.0", "sglang": "0.5.24"}[engine]
+    newer = {"vllm": "0.35.0", "sglang": "0.5.24"}[engine]
     monkeypatch.setattr(version, "installed", lambda: newer)
     monkeypatch.setenv(UNTESTED_ENV, "1")
     rc, text = _run_env({UNTESTED_ENV: "1", "BCG_ENABLE": "1"}, engines=[engine])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import dataclasses
+import inspect
 import logging
 import types
 
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 
 from bcg_plugin import BcgConfig, PrefillGraphRunner, plugin_manager  # noqa: E402
 from bcg_plugin.adapters.vllm import launch, plugin  # noqa: E402
-from bcg_plugin.adapters.vllm.config import prefill_graphs_wanted, sequence_parallel_multiple  # noqa: E402
+from bcg_plugin.adapters.vllm.config import (  # noqa: E402
+    prefill_graphs_wanted, sequence_parallel_multiple, unsupported_reason)
 from bcg_plugin.patches.vllm import RUNNER  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -266,6 +268,22 @@ def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_war
     assert "FULL_AND_PIECEWISE graphs back" not in warning  # vLLM would turn those off without bcg too
 
 
+def test_graphs_vllm_turned_off_for_want_of_capture_sizes_keep_bcg_on(vllm_model_config, caplog):
+    """No capture size left for vLLM's decode graphs (none asked for) makes vLLM set cudagraph_mode
+    NONE; that is vLLM's own graphs, not something in the engine that must run eagerly, and bcg
+    captures without them as under a NONE the user chose."""
+    from vllm.config import CompilationConfig
+
+    if "decode_cudagraph_capture_request_sizes" not in CompilationConfig.__dataclass_fields__:
+        pytest.skip("vLLM sizes its decode graphs apart from its prefill graphs from 0.34")
+    with caplog.at_level(logging.INFO, logger="vllm.bcg"):
+        cfg = engine_config(vllm_model_config, {"enable": True},
+                            compilation_config=CompilationConfig(decode_cudagraph_capture_request_sizes=[]))
+    assert cfg.compilation_config.cudagraph_mode.name == "NONE"  # vLLM's doing, after bcg's launch
+    assert cfg.additional_config[launch.LAUNCH_RECORD_KEY].get("graphs") == "FULL_DECODE_ONLY"
+    assert plugin.arm_runner_patches(cfg) and not bcg_warnings(caplog)
+
+
 def test_a_config_copy_keeps_what_the_first_start_recorded(vllm_model_config):
     cfg = engine_config(vllm_model_config, {"enable": True, "torch_compile": False})
     first = dict(cfg.additional_config[launch.LAUNCH_RECORD_KEY])
@@ -443,15 +461,19 @@ def test_bcg_replaces_the_breakable_graphs_vllm_turns_on_by_itself(listed_model_
 
     plugin.register()
     monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+    per_config = "compilation_config" in inspect.signature(is_breakable_cudagraph_enabled).parameters
+
+    def vllm_breakable_on(cfg):  # 0.34 records the switch in the config; earlier releases in the environment
+        return is_breakable_cudagraph_enabled(cfg.compilation_config) if per_config else is_breakable_cudagraph_enabled()
+
     plain = engine_config(listed_model_config)
     # Negative control: without bcg, vLLM switches its breakable graphs on for this architecture
     # (and with them torch.compile off).
-    assert os.environ.get(BREAKABLE_ENV) == "1" and is_breakable_cudagraph_enabled()
-    assert modes(plain)["mode"] == "NONE"
-    monkeypatch.delenv(BREAKABLE_ENV)
+    assert vllm_breakable_on(plain) and modes(plain)["mode"] == "NONE"
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         cfg = engine_config(listed_model_config, {"enable": True})
-    assert os.environ.get(BREAKABLE_ENV) == "0" and not is_breakable_cudagraph_enabled()  # vLLM's path off
+    assert os.environ.get(BREAKABLE_ENV) == "0" and not vllm_breakable_on(cfg)  # vLLM's path off
     assert prefill_graphs_wanted(cfg) and modes(cfg)["mode"] == "VLLM_COMPILE"  # bcg's path armed
     assert not bcg_warnings(caplog)
     if launch.vllm_breakable_default(cfg) is not None:  # vLLM's allow-list (0.29+) says what bcg replaced
@@ -472,6 +494,18 @@ def test_breakable_graphs_the_user_asked_for_keep_bcg_off(listed_model_config, v
         assert os.environ[BREAKABLE_ENV] == "1" and modes(cfg) == modes(plain)
         [warning] = bcg_warnings(caplog)
         assert f"{BREAKABLE_ENV}=1" in warning and not prefill_graphs_wanted(cfg)
+
+
+def test_breakable_graphs_a_worker_config_records_keep_bcg_off_without_the_variable(vllm_model_config, monkeypatch):
+    """From 0.34 a worker reads vLLM's breakable switch from the config it was sent, which the
+    front-end resolved; the variable need not reach the worker."""
+    cfg = engine_config(vllm_model_config, {"enable": True})
+    if not hasattr(cfg.compilation_config, "use_breakable_cudagraph"):
+        pytest.skip("vLLM records its breakable switch in the config from 0.34")
+    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
+    assert unsupported_reason(cfg) is None
+    cfg.compilation_config.use_breakable_cudagraph = True
+    assert f"{BREAKABLE_ENV}=1" in unsupported_reason(cfg)
 
 
 def test_an_architecture_vllm_does_not_list_leaves_the_switch_as_vllm_would(vllm_model_config, monkeypatch):

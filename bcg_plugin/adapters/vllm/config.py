@@ -71,7 +71,9 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         return "no model config"
     if getattr(model, "enforce_eager", False):
         return "enforce_eager=True skips CUDA graph capture entirely"
-    if os.environ.get(BREAKABLE_ENV, "0") == "1":
+    # 0.34 records vLLM's choice in the config its workers get; earlier releases leave it in the environment.
+    recorded = getattr(getattr(vllm_config, "compilation_config", None), "use_breakable_cudagraph", None)
+    if os.environ.get(BREAKABLE_ENV, "0") == "1" or recorded is True:
         return (f"{BREAKABLE_ENV}=1 selects vLLM's own breakable graphs for prefill (unset it: bcg then keeps "
                 "vLLM's breakable graphs off and serves prefill)")
     checks = [
@@ -227,10 +229,14 @@ def graphs_turned_off(vllm_config: Any) -> str | None:
     """Where bcg was launched under CUDA graphs (``FULL_DECODE_ONLY``, its own or the user's) and
     vLLM's final mode is ``NONE``: vLLM turned every CUDA graph off itself, later in its config's
     start, for something in this engine that must run eagerly (the MoonEP all-to-all in 0.33); bcg's
-    graphs would capture it."""
+    graphs would capture it. Not where vLLM had no capture size left for its own graphs (0.34: no
+    decode graph asked for) and said so by emptying the sizes: that concerns vLLM's graphs only, and
+    bcg captures without them as under a ``NONE`` the user chose."""
     started = (launch_record(vllm_config) or {}).get("graphs")
-    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
-    if started not in (None, "NONE") and getattr(mode, "name", mode) == "NONE":
+    cc = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(cc, "cudagraph_mode", None)
+    no_sizes = getattr(cc, "cudagraph_capture_sizes", None) == [] and not getattr(cc, "max_cudagraph_capture_size", 0)
+    if started not in (None, "NONE") and getattr(mode, "name", mode) == "NONE" and not no_sizes:
         return (f"vLLM turned CUDA graphs off for this engine after bcg's launch under cudagraph_mode={started} "
                 "(something in it runs eagerly only)")
     return None

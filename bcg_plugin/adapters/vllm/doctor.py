@@ -61,7 +61,7 @@ def attention_scope(config: BcgConfig) -> str:
              "if larger")
     return (f"inside the graph {where}, where the V2 model runner serves a text-only model with FLASH_ATTN "
             "(FA3) or TRITON_ATTN, cudagraph_mode has FULL graphs (bcg's default) and data parallelism is off; an "
-            "eager break in the others (the V1 runner, other backends"
+            "eager break in the others (the V1 runner through vLLM 0.33, other backends"
             f"{'' if config.attention == 'graph' else ', larger buckets'}); the capture logs its choice by bucket range")
 
 

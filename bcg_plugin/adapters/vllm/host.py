@@ -93,7 +93,8 @@ class VllmHost:
         Where ``graph_capture`` takes a stream (through 0.30), on the one the V2 runner captures its
         decode graphs on (``torch.cuda.graph``'s default): a stream of its own would pin one more cuBLAS
         workspace (32 MiB on Hopper) for the process's life. From 0.31 it always makes a stream of its
-        own, as it does for vLLM's own captures, and bcg captures on that one. Inside it, an op vLLM
+        own, as it does for vLLM's own captures, and bcg captures on that one; 0.34 takes a stream again, but
+        vLLM's own decode capture makes a fresh one there too, so there is none to share. Inside it, an op vLLM
         marks as an eager break fails the capture (:class:`~bcg_plugin.adapters.vllm.attention.MarkedOpRefusal`)."""
         from vllm.distributed.parallel_state import GraphCaptureContext, graph_capture
 

@@ -40,7 +40,7 @@ PATCH = Patch(
            "bcg's own break) fails the bucket's capture instead of being recorded inline with its host work "
            "frozen; `is_active()` is true there, as under vLLM's own breakable capture (no side stream that could "
            "span a break)",
-    hosts=">=0.26.0,<0.34",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="vLLM's breakable capture accepts an external recorder (the attention patch's removal "
                 "condition): bcg then captures through it and every marked op breaks there",

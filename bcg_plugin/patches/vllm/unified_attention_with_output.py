@@ -24,7 +24,7 @@ PATCH = Patch(
     make=make,
     reason="vLLM's own attention function as bcg's eager break, reading the forward context vLLM set for the "
            "step; a plain call outside bcg's capture (eager steps, vLLM's FULL decode capture)",
-    hosts=">=0.26.0,<0.34",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="vLLM's attention op is a break for external capture without `VLLM_USE_BREAKABLE_CUDAGRAPH`: its "
                 "own `eager_break_during_capture` (on this op in every covered release) breaks only inside vLLM's "

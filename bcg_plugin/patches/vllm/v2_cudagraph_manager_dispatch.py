@@ -83,5 +83,5 @@ PATCHES = (
           hosts=">=0.28,<0.30", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
     Patch(target=TARGET, how=Wrap(params=[*BASE, "max_query_len", "num_ubatches"]), make=make_ubatches,
           reason=REASON + "; a microbatched dispatch (`num_ubatches > 1`, FULL graphs only) keeps vLLM's answer",
-          hosts=">=0.30,<0.34", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
+          hosts=">=0.30,<0.35", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
 )

@@ -28,7 +28,7 @@ PATCH = Patch(
     make=make,
     reason="V2: run the capture step for bcg's buckets when vLLM has no graphs of its own "
            "(`cudagraph_mode=NONE`)",
-    hosts=">=0.26.0,<0.34",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="vLLM exposes a capture hook for external graph runners",
 )

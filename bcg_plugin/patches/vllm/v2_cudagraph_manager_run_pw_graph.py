@@ -29,7 +29,7 @@ PATCH = Patch(
     reason="V2: replay the dispatched bucket inside the live forward context; the original's own "
            "breakable runner (`VLLM_USE_BREAKABLE_CUDAGRAPH`, from 0.27) is never reached while bcg runs: bcg "
            "keeps that switch off (see `VllmConfig.__post_init__`)",
-    hosts=">=0.26.0,<0.34",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="vLLM exposes a forward hook for external graph runners. The nearest seam, the manager's "
                 "`breakable_cg_runner` that `run_pw_graph` calls when `use_breakable_cg` (from 0.27; "

@@ -6,7 +6,9 @@ two FULL graphs and extrapolates them to the rest. bcg's buckets are captured in
 V2 capture patch); inside this method they are sampled the same way instead, largest of each kind,
 released, and their extrapolated total added to vLLM's figure, so the profiling run does not
 capture every bucket a second time. Through 0.28 the V2 method estimates nothing and captures
-nothing: the wrapper passes its 0 through.
+nothing, and from 0.34 neither does it under the extensible KV cache (vLLM's default on CUDA), which
+sizes itself from the free memory measured after the real capture, bcg's graphs included: the
+wrapper passes its 0 through.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ PATCH = Patch(
     make=make,
     reason="V2: bcg's buckets sampled (the largest of each kind, released) and extrapolated inside vLLM's "
            "graph-memory profiling, as vLLM does its FULL graphs, instead of every bucket captured a second "
-           "time there; the sum sizes the KV cache (a pass-through before 0.29, where vLLM's V2 method returns 0)",
-    hosts=">=0.26.0,<0.34",
+           "time there; the sum sizes the KV cache (a pass-through before 0.29, where vLLM's V2 method returns 0, "
+           "and from 0.34 under the extensible KV cache, which measures the graphs after their capture)",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="vLLM lets external graph runners report their memory before the KV cache is sized",
 )

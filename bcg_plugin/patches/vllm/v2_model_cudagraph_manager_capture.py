@@ -9,9 +9,10 @@ down afterwards (the manager flags it with ``_capture_mem_samples``): there bcg 
 and releases them, and the profile patch (``v2_gpu_model_runner_profile_cudagraph_memory``) adds
 their extrapolated estimate to vLLM's, which sizes the KV cache.
 
-The descriptors differ by what the method takes (``pcp_manager`` from 0.29) and by the vLLM
-functions bcg's dummy batches call, verified with it: ``prepare_inputs_to_capture`` (its trailing
-parameters change in 0.27, 0.28 and 0.29) and ``graph_capture`` (no caller-chosen stream from 0.31).
+The descriptors differ by what the method takes (``pcp_manager`` from 0.29, no ``has_lora`` from
+0.34) and by the vLLM functions bcg's dummy batches call, verified with it: ``prepare_inputs_to_capture``
+(its trailing parameters change in 0.27, 0.28, 0.29 and 0.34) and ``graph_capture`` (no caller-chosen
+stream context from 0.31, an optional stream again from 0.34).
 """
 
 from __future__ import annotations
@@ -90,4 +91,11 @@ PATCHES = (
                           "pool, shared with the decode graphs, which bcg's private pool exists to keep apart; "
                           "bcg's graphs are therefore not offloaded by sleep mode",
           hosts=">=0.31,<0.34", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
+    Patch(target=TARGET, how=_how([*PARAMS, "pcp_manager", *TAIL[1:]],
+                                  ["full_cudagraph", "max_query_len", "pcp_manager", "slot_mappings_buffer"],
+                                  ["device", "stream"]), make=make_pcp,
+          reason=REASON + " as from 0.31 (without `has_lora`, which vLLM dropped); captured on `graph_capture`'s "
+                          "own stream, not the `capture_stream` vLLM's graphs leave for the graphs they replay in "
+                          "their breaks: bcg's graphs keep their private pool",
+          hosts=">=0.34,<0.35", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
 )

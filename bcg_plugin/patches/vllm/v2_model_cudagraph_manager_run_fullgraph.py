@@ -44,7 +44,7 @@ PATCH = Patch(
     make=make,
     reason="V2: a FULL descriptor of a bcg bucket with attention captured inside the graph replays bcg's "
            "graph, which reads vLLM's persistent input and FULL-mode metadata buffers in place",
-    hosts=">=0.26.0,<0.34",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="vLLM's graph manager takes externally captured graphs for its FULL descriptors",
 )

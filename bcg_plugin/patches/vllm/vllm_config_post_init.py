@@ -46,5 +46,5 @@ PATCHES = (
           make=make,
           reason=REASON + " (`_maybe_enable_breakable_cudagraph`, its allow-list asked through "
                           "`_uses_breakable_cudagraph_by_default` to say what bcg replaced)",
-          hosts=">=0.29,<0.34", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
+          hosts=">=0.29,<0.35", upstream=NOT_FILED, remove_when=REMOVE_WHEN),
 )

@@ -28,7 +28,7 @@ PATCH = Patch(
     make=make,
     reason="first call in a worker that has the config and precedes the model runner: install the runner "
            "set there only, in workers whose config enables bcg",
-    hosts=">=0.26.0,<0.34",
+    hosts=">=0.26.0,<0.35",
     upstream=NOT_FILED,
     remove_when="the runner patches move upstream, or vLLM passes the config to general plugins",
 )
