@@ -28,7 +28,8 @@ forward, which tells a launch-bound forward (host ~ device time) from a GPU-boun
 ``graph_mem_allocator_gib``, the part of ``graph_mem_gib`` torch's caching allocator holds (graph
 pools, cached blocks): the rest is held outside it, by the driver's graph objects and libraries;
 ``graph_mem_estimate_gib``, the graph memory vLLM's worker estimated before it sized the KV cache
-(bcg's share included where bcg runs), against which ``graph_mem_gib`` is the capture's actual figure; and
+(bcg's share included where bcg runs; 0 under 0.34's extensible KV cache, which measures after the
+capture instead), against which ``graph_mem_gib`` is the capture's actual figure; and
 ``device_used_gib`` and ``kv_cache_gib``, the device memory in use once every N has been served and the
 KV cache's part of it. What is left beyond the KV cache (weights, graphs, and the activation blocks
 torch's allocator keeps cached after the largest eager forward) is what each mode costs a server at

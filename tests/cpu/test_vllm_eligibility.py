@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from bcg_plugin import BcgConfig, PrefillGraphRunner, plugin_manager  # noqa: E402
 from bcg_plugin.adapters.vllm import launch, plugin  # noqa: E402
 from bcg_plugin.adapters.vllm.config import (  # noqa: E402
-    prefill_graphs_wanted, sequence_parallel_multiple, unsupported_reason)
+    graphs_turned_off, prefill_graphs_wanted, sequence_parallel_multiple, unsupported_reason)
 from bcg_plugin.patches.vllm import RUNNER  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -266,6 +266,22 @@ def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_war
         in warning
     assert "prefill and mixed batches run eagerly" in warning and not RUNNER.applied
     assert "FULL_AND_PIECEWISE graphs back" not in warning  # vLLM would turn those off without bcg too
+    # A copy runs vLLM's config start again on the same compilation config, now NONE, which empties
+    # the capture sizes: it stays declined, and so does the original.
+    copy = dataclasses.replace(cfg)
+    assert graphs_turned_off(copy) and graphs_turned_off(cfg)
+
+
+def test_the_moonep_all_to_all_is_declined_even_where_graphs_were_off_already(vllm_model_config):
+    """vLLM turns graphs off for MoonEP only where they are on; under graphs already off (no decode
+    graph asked for) nothing else would keep bcg from capturing the eager-only all-to-all."""
+    cfg = engine_config(vllm_model_config, {"enable": True})
+    if not hasattr(type(cfg.parallel_config), "use_all2all"):
+        pytest.skip("this vLLM has no MoonEP all-to-all")
+    assert unsupported_reason(cfg) is None
+    cfg.parallel_config.all2all_backend = "moonep"
+    cfg.parallel_config.data_parallel_size = 2  # MoonEP's all-to-all runs where vLLM uses one
+    assert "MoonEP" in unsupported_reason(cfg)
 
 
 def test_graphs_vllm_turned_off_for_want_of_capture_sizes_keep_bcg_on(vllm_model_config, caplog):
@@ -494,18 +510,6 @@ def test_breakable_graphs_the_user_asked_for_keep_bcg_off(listed_model_config, v
         assert os.environ[BREAKABLE_ENV] == "1" and modes(cfg) == modes(plain)
         [warning] = bcg_warnings(caplog)
         assert f"{BREAKABLE_ENV}=1" in warning and not prefill_graphs_wanted(cfg)
-
-
-def test_breakable_graphs_a_worker_config_records_keep_bcg_off_without_the_variable(vllm_model_config, monkeypatch):
-    """From 0.34 a worker reads vLLM's breakable switch from the config it was sent, which the
-    front-end resolved; the variable need not reach the worker."""
-    cfg = engine_config(vllm_model_config, {"enable": True})
-    if not hasattr(cfg.compilation_config, "use_breakable_cudagraph"):
-        pytest.skip("vLLM records its breakable switch in the config from 0.34")
-    monkeypatch.delenv(BREAKABLE_ENV, raising=False)
-    assert unsupported_reason(cfg) is None
-    cfg.compilation_config.use_breakable_cudagraph = True
-    assert f"{BREAKABLE_ENV}=1" in unsupported_reason(cfg)
 
 
 def test_an_architecture_vllm_does_not_list_leaves_the_switch_as_vllm_would(vllm_model_config, monkeypatch):

@@ -193,8 +193,8 @@ def runner_kind(worker) -> str:
 
 
 def skip_without_v1(*names: str) -> None:
-    """Skip a comparison of V1 engines where vLLM has no V1 runner (0.34 removed it): there the
-    variable is ignored and both sides would run V2, as the V2 cases already do."""
+    """Skip a comparison of V1 engines where vLLM has no V1 runner (0.34 removed it and refuses
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` at start)."""
     import importlib.util
 
     wants_v1 = any(ENGINES[n].get("env", {}).get("VLLM_USE_V2_MODEL_RUNNER") == "0" for n in names)

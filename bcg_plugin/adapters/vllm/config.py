@@ -71,9 +71,7 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         return "no model config"
     if getattr(model, "enforce_eager", False):
         return "enforce_eager=True skips CUDA graph capture entirely"
-    # 0.34 records vLLM's choice in the config its workers get; earlier releases leave it in the environment.
-    recorded = getattr(getattr(vllm_config, "compilation_config", None), "use_breakable_cudagraph", None)
-    if os.environ.get(BREAKABLE_ENV, "0") == "1" or recorded is True:
+    if os.environ.get(BREAKABLE_ENV, "0") == "1":
         return (f"{BREAKABLE_ENV}=1 selects vLLM's own breakable graphs for prefill (unset it: bcg then keeps "
                 "vLLM's breakable graphs off and serves prefill)")
     checks = [
@@ -95,6 +93,10 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         (getattr(parallel, "data_parallel_size", 1) > 1 and bool(getattr(parallel, "enable_expert_parallel", False))
          and getattr(parallel, "all2all_backend", None) == "deepep_high_throughput",
          "the DeepEP high-throughput all-to-all (not CUDA-graph capturable)"),
+        # Eager-only in vLLM (0.33 on), which turns CUDA graphs off for it; where they were off already,
+        # that step does not run and nothing else says so.
+        (getattr(parallel, "all2all_backend", None) == "moonep" and bool(_attr(parallel, "use_all2all", False)),
+         "the MoonEP all-to-all (eager-only in vLLM)"),
         (getattr(model, "runner_type", "generate") != "generate", "pooling / non-generate runners"),
         (_flag(model, "is_encoder_decoder"), "encoder-decoder models"),
         (_flag(model, "is_multimodal_model"), "multimodal models"),
@@ -229,14 +231,16 @@ def graphs_turned_off(vllm_config: Any) -> str | None:
     """Where bcg was launched under CUDA graphs (``FULL_DECODE_ONLY``, its own or the user's) and
     vLLM's final mode is ``NONE``: vLLM turned every CUDA graph off itself, later in its config's
     start, for something in this engine that must run eagerly (the MoonEP all-to-all in 0.33); bcg's
-    graphs would capture it. Not where vLLM had no capture size left for its own graphs (0.34: no
-    decode graph asked for) and said so by emptying the sizes: that concerns vLLM's graphs only, and
-    bcg captures without them as under a ``NONE`` the user chose."""
+    graphs would capture it. Not where the user asked for no decode graph (0.34:
+    ``decode_cudagraph_capture_request_sizes=[]`` or ``max_decode_cudagraph_capture_requests=0``), which
+    leaves vLLM no capture size under ``FULL_DECODE_ONLY``: that concerns vLLM's graphs only, and bcg
+    captures without them as under a ``NONE`` the user chose."""
     started = (launch_record(vllm_config) or {}).get("graphs")
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "cudagraph_mode", None)
-    no_sizes = getattr(cc, "cudagraph_capture_sizes", None) == [] and not getattr(cc, "max_cudagraph_capture_size", 0)
-    if started not in (None, "NONE") and getattr(mode, "name", mode) == "NONE" and not no_sizes:
+    no_decode_graphs = (getattr(cc, "decode_cudagraph_capture_request_sizes", None) == []
+                        or getattr(cc, "max_decode_cudagraph_capture_requests", None) == 0)
+    if started not in (None, "NONE") and getattr(mode, "name", mode) == "NONE" and not no_decode_graphs:
         return (f"vLLM turned CUDA graphs off for this engine after bcg's launch under cudagraph_mode={started} "
                 "(something in it runs eagerly only)")
     return None

@@ -31,7 +31,7 @@ from bcg_plugin.patches.vllm import (
 )
 
 HOST = "vllm"  # the distribution whose version the patches are checked against
-# Every vLLM release the descriptors below cover; CI checks three of them against the real package.
+# Every vLLM release the descriptors below cover; CI checks four of them against the real package.
 GATE = HostGate(HOST, ">=0.26.0,<0.35", (
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"))
 SUPPORTED = GATE.supported
