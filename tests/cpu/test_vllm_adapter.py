@@ -1082,12 +1082,14 @@ def test_worker_extension_resolves_and_reports_this_workers_runners(monkeypatch)
 def test_dp_expert_parallel_is_served_with_capturable_all2all():
     from bcg_plugin.adapters.vllm.config import unsupported_reason
 
-    def cfg(backend):
-        parallel = types.SimpleNamespace(data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend)
+    def cfg(backend, ep=True):
+        parallel = types.SimpleNamespace(data_parallel_size=2, enable_expert_parallel=ep, all2all_backend=backend)
         return types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=False), parallel_config=parallel)
 
     assert unsupported_reason(cfg("allgather_reducescatter")) is None
     assert "DeepEP high-throughput" in unsupported_reason(cfg("deepep_high_throughput"))
+    # vLLM turns graphs off for it under any data parallelism, so bcg declines without EP too
+    assert "DeepEP high-throughput" in (unsupported_reason(cfg("deepep_high_throughput", ep=False)) or "")
 
 
 @pytest.mark.parametrize("parallel, offload, reason", [

@@ -250,9 +250,9 @@ def test_offloading_is_declined_before_any_launch_flag_changes(vllm_model_config
 @pytest.mark.parametrize("user_mode", [None, "FULL_DECODE_ONLY"])
 def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_warning(vllm_model_config, caplog,
                                                                                       user_mode):
-    """vLLM 0.33 turns every CUDA graph off late in its config's start for the MoonEP all-to-all
-    ("eager-only and must not be captured"), after bcg's launch under FULL_DECODE_ONLY (its own or
-    the user's)."""
+    """vLLM turns every CUDA graph off late in its config's start for something eager-only (0.33 did
+    for the MoonEP all-to-all, which bcg now also declines up front), after bcg's launch under
+    FULL_DECODE_ONLY (its own or the user's)."""
     from vllm.config.compilation import CUDAGraphMode
 
     cfg = engine_config(vllm_model_config, {"enable": True}, **(_graph_mode(user_mode) if user_mode else {}))
@@ -273,18 +273,21 @@ def test_graphs_vllm_turned_off_after_bcg_set_its_mode_keep_bcg_off_with_one_war
 
 
 def test_the_moonep_all_to_all_is_declined_even_where_graphs_were_off_already(vllm_model_config):
-    """vLLM turns graphs off for MoonEP only where they are on; under graphs already off (no decode
-    graph asked for) nothing else would keep bcg from capturing the eager-only all-to-all."""
+    """vLLM turns graphs off for MoonEP only where they are on, so under graphs already off (no decode
+    graph asked for) its later step would not keep bcg from capturing the eager-only all-to-all: bcg
+    declines it by name."""
     cfg = engine_config(vllm_model_config, {"enable": True})
     if not hasattr(type(cfg.parallel_config), "use_all2all"):
         pytest.skip("this vLLM has no MoonEP all-to-all")
     assert unsupported_reason(cfg) is None
     cfg.parallel_config.all2all_backend = "moonep"
     cfg.parallel_config.data_parallel_size = 2  # MoonEP's all-to-all runs where vLLM uses one
-    assert "MoonEP" in unsupported_reason(cfg)
+    assert "MoonEP" in (unsupported_reason(cfg) or "")
 
 
-def test_graphs_vllm_turned_off_for_want_of_capture_sizes_keep_bcg_on(vllm_model_config, caplog):
+@pytest.mark.parametrize("no_decode_graphs", [{"decode_cudagraph_capture_request_sizes": []},
+                                              {"max_decode_cudagraph_capture_requests": 0}])
+def test_graphs_vllm_turned_off_for_want_of_capture_sizes_keep_bcg_on(vllm_model_config, caplog, no_decode_graphs):
     """No capture size left for vLLM's decode graphs (none asked for) makes vLLM set cudagraph_mode
     NONE; that is vLLM's own graphs, not something in the engine that must run eagerly, and bcg
     captures without them as under a NONE the user chose."""
@@ -294,7 +297,7 @@ def test_graphs_vllm_turned_off_for_want_of_capture_sizes_keep_bcg_on(vllm_model
         pytest.skip("vLLM sizes its decode graphs apart from its prefill graphs from 0.34")
     with caplog.at_level(logging.INFO, logger="vllm.bcg"):
         cfg = engine_config(vllm_model_config, {"enable": True},
-                            compilation_config=CompilationConfig(decode_cudagraph_capture_request_sizes=[]))
+                            compilation_config=CompilationConfig(**no_decode_graphs))
     assert cfg.compilation_config.cudagraph_mode.name == "NONE"  # vLLM's doing, after bcg's launch
     assert cfg.additional_config[launch.LAUNCH_RECORD_KEY].get("graphs") == "FULL_DECODE_ONLY"
     assert plugin.arm_runner_patches(cfg) and not bcg_warnings(caplog)

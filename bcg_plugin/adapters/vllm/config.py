@@ -89,8 +89,9 @@ def unsupported_reason(vllm_config: Any) -> str | None:
         # vLLM turns it into a KV connector late in its config's start, after bcg's launch flags.
         (getattr(cache, "kv_offloading_size", None) is not None, "KV offloading (a KV connector)"),
         (_prefetch_offload(vllm_config), "prefetch weight offloading (its copy stream runs across forwards)"),
-        # vLLM itself turns every CUDA graph off for this all-to-all (its kernels cannot be captured).
-        (getattr(parallel, "data_parallel_size", 1) > 1 and bool(getattr(parallel, "enable_expert_parallel", False))
+        # vLLM itself turns every CUDA graph off for this all-to-all (its kernels cannot be captured), on
+        # the same condition: any data parallelism, expert parallelism or not.
+        (getattr(parallel, "data_parallel_size", 1) > 1
          and getattr(parallel, "all2all_backend", None) == "deepep_high_throughput",
          "the DeepEP high-throughput all-to-all (not CUDA-graph capturable)"),
         # Eager-only in vLLM (0.33 on), which turns CUDA graphs off for it; where they were off already,
@@ -230,8 +231,9 @@ def _prefetch_offload(vllm_config: Any) -> bool:
 def graphs_turned_off(vllm_config: Any) -> str | None:
     """Where bcg was launched under CUDA graphs (``FULL_DECODE_ONLY``, its own or the user's) and
     vLLM's final mode is ``NONE``: vLLM turned every CUDA graph off itself, later in its config's
-    start, for something in this engine that must run eagerly (the MoonEP all-to-all in 0.33); bcg's
-    graphs would capture it. Not where the user asked for no decode graph (0.34:
+    start, for something in this engine that must run eagerly; bcg's graphs would capture it. The
+    cases known (the MoonEP and DeepEP high-throughput all-to-alls) are declined up front by
+    :func:`unsupported_reason`; this catches the ones a later vLLM adds. Not where the user asked for no decode graph (0.34:
     ``decode_cudagraph_capture_request_sizes=[]`` or ``max_decode_cudagraph_capture_requests=0``), which
     leaves vLLM no capture size under ``FULL_DECODE_ONLY``: that concerns vLLM's graphs only, and bcg
     captures without them as under a ``NONE`` the user chose."""
