@@ -233,10 +233,11 @@ def graphs_turned_off(vllm_config: Any) -> str | None:
     vLLM's final mode is ``NONE``: vLLM turned every CUDA graph off itself, later in its config's
     start, for something in this engine that must run eagerly; bcg's graphs would capture it. The
     cases known (the MoonEP and DeepEP high-throughput all-to-alls) are declined up front by
-    :func:`unsupported_reason`; this catches the ones a later vLLM adds. Not where the user asked for no decode graph (0.34:
-    ``decode_cudagraph_capture_request_sizes=[]`` or ``max_decode_cudagraph_capture_requests=0``), which
-    leaves vLLM no capture size under ``FULL_DECODE_ONLY``: that concerns vLLM's graphs only, and bcg
-    captures without them as under a ``NONE`` the user chose."""
+    :func:`unsupported_reason`; this catches the ones a later vLLM adds. Not where the user asked for
+    no decode graph (0.34: ``decode_cudagraph_capture_request_sizes=[]`` or
+    ``max_decode_cudagraph_capture_requests=0``), which leaves vLLM no capture size under
+    ``FULL_DECODE_ONLY``: that concerns vLLM's graphs only, and bcg captures without them as under a
+    ``NONE`` the user chose."""
     started = (launch_record(vllm_config) or {}).get("graphs")
     cc = getattr(vllm_config, "compilation_config", None)
     mode = getattr(cc, "cudagraph_mode", None)
