@@ -189,28 +189,28 @@ class Timers:
         return capture_model
 
     def _timed_kv_cache(self, original):
+        allocating = self._timed_kv_extension(original)
+
         @functools.wraps(original)
         def initialize_from_config(worker, *args, **kwargs):
             if self.weight_bytes is None:  # the model is loaded before its KV cache is sized
                 self.weight_bytes, self.vocab_weight_bytes = parameter_bytes(worker.get_model())
-            used_before = used_device_bytes()
             # Set by the worker's memory profiling, which runs before the KV cache is sized here.
             self.graph_estimate_bytes = getattr(worker, "cudagraph_memory_estimate", None)
-            result = original(worker, *args, **kwargs)
-            self.kv_cache_bytes += used_device_bytes() - used_before
-            return result
+            return allocating(worker, *args, **kwargs)
 
         return initialize_from_config
 
     def _timed_kv_extension(self, original):
+        """``original`` with the device memory it takes counted as KV cache."""
         @functools.wraps(original)
-        def extend_kv_cache(worker, *args, **kwargs):
+        def allocating(worker, *args, **kwargs):
             used_before = used_device_bytes()
             result = original(worker, *args, **kwargs)
             self.kv_cache_bytes += used_device_bytes() - used_before
             return result
 
-        return extend_kv_cache
+        return allocating
 
     @contextlib.contextmanager
     def _timed(self, num_tokens: int):

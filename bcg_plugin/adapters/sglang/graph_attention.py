@@ -188,12 +188,11 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
     r = int(configured) if configured else chunk_request_slots(chunk)
     r = min(r, int(model_runner.req_to_token_pool.size), top)
-    kind = backend_kind(model_runner.attn_backend)
-    pages = getattr(model_runner.attn_backend, "max_num_pages", None)
-    if kind == FA3 and pages:
-        r = min(r, max(1, GRAPH_KV_INDEX_BYTES // (4 * int(pages))))
-    elif kind == FLASHINFER:
-        r = min(r, max(1, GRAPH_KV_INDEX_BYTES // (4 * int(model_runner.model_config.context_len))))
+    # int32 entries per request slot: fa3's pages, flashinfer's tokens
+    index_len = {FA3: getattr(model_runner.attn_backend, "max_num_pages", None),
+                 FLASHINFER: model_runner.model_config.context_len}.get(backend_kind(model_runner.attn_backend))
+    if index_len:
+        r = min(r, max(1, GRAPH_KV_INDEX_BYTES // (4 * int(index_len))))
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
 
 
