@@ -29,8 +29,10 @@ class BcgConfig:
             changes nothing until a user asks for it.
         max_tokens: the top bucket. ``None`` means the most tokens one host step can run: its chunk
             size, or less where no step can fill a chunk (vLLM: ``max_num_seqs`` x
-            ``max_model_len``; SGLang: its request pool's rows x ``context_length``); ``0``
-            disables capture, like the hosts' own "0 turns graphs off" convention.
+            ``max_model_len``; SGLang: its request pool's rows x ``context_length``), and on SGLang
+            where it scatters a step's rows between attention-TP ranks the chunk padded to a
+            multiple of their count, as SGLang pads a full chunk; ``0`` disables capture, like the
+            hosts' own "0 turns graphs off" convention.
         sizes: an explicit bucket list replacing the reference ladder; every size must be
             ``<= max_tokens`` when both are given. Where the host splits a step's rows into equal
             shards (vLLM's sequence parallelism; SGLang where it scatters them between attention-TP ranks),

@@ -492,6 +492,37 @@ def test_scattered_rows_give_every_bucket_a_multiple_of_the_attention_tp_width(m
                                                                       device="cpu").buckets)
 
 
+@pytest.mark.parametrize("pool_rows, top", [
+    (64, 102),  # the chunk sets the top: SGLang pads a full chunk of 100 to 102 rows, and replays it
+    (1, 99),  # one request of 100 tokens: no capture batch holds 102, and a padded full step runs eagerly
+])
+def test_a_full_chunk_padded_to_the_attention_tp_width_replays_in_the_top_bucket(monkeypatch, pool_rows, top):
+    """Where a step's rows are scattered between attention-TP ranks SGLang pads each step to a multiple
+    of their width, a full chunk above the chunk size, and sizes its own top prefill graph the same
+    way (asked here of the installed release's own functions)."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.utils import common
+
+    from bcg_plugin.adapters.sglang.host import SglangHost
+    from bcg_plugin.adapters.sglang.replay import step_token_limit
+    from bcg_plugin.ladder import choose_bucket
+
+    runner = scattered_rows(monkeypatch, 3)
+    runner.server_args.cuda_graph_config = types.SimpleNamespace(prefill=types.SimpleNamespace(max_bs=100, bs=[16]))
+    runner.server_args.chunked_prefill_size = 100
+    runner.req_to_token_pool = ReqToTokenPool(size=pool_rows, max_context_len=104, device="cpu",
+                                              enable_memory_saver=False)
+    runner.model_config = types.SimpleNamespace(context_len=100)
+    padded_chunk = common.ceil_align(100, 3)  # SGLang's padding of a step of 100 tokens under attention TP 3
+    host = SglangHost.__new__(SglangHost)
+    host.model_runner = runner
+    buckets = PrefillGraphRunner(plugin_manager(host), BcgConfig(enable=True), chunk_size=step_token_limit(runner),
+                                 device="cpu").buckets
+    assert buckets[-1] == top and all(b % 3 == 0 for b in buckets)
+    assert choose_bucket(buckets, padded_chunk) == (padded_chunk if top == padded_chunk else None)
+    assert -(-buckets[-1] // 100) <= pool_rows  # the top bucket's capture batch fits the request pool
+
+
 def test_a_keyword_a_later_sglang_adds_means_eager_not_a_crash(caplog):
     r = vote_runner()
     with caplog.at_level(logging.WARNING, logger="bcg_plugin.sglang"):
@@ -1040,18 +1071,20 @@ def test_only_a_run_that_captured_a_variant_is_held_to_eager_beside_full(gpu_tes
     (8192, 2048, 4096, 8192),  # SGLang's own pool sizes (2048-4096 rows) never bind
     (None, 4, 256, 1024),  # no prefill max_bs: the chunked-prefill size, then the pool
 ])
-def test_the_ladder_stops_at_what_the_request_pool_can_hold(caplog, max_bs, pool_rows, context_len, top):
+def test_the_ladder_stops_at_what_the_request_pool_can_hold(monkeypatch, caplog, max_bs, pool_rows, context_len,
+                                                            top):
     """bcg's capture batch for a bucket is as few requests of context_len as it needs, at request rows
     0, 1, ...: past the pool's rows for a bucket no step can reach."""
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     from bcg_plugin.adapters.sglang.replay import step_token_limit
 
+    scattered_rows(monkeypatch, None)
     pool = ReqToTokenPool(size=pool_rows, max_context_len=context_len + 4, device="cpu", enable_memory_saver=False)
     prefill = types.SimpleNamespace(max_bs=max_bs, bs=[16, 32, 64])
     runner = types.SimpleNamespace(
         server_args=types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(prefill=prefill),
-                                          chunked_prefill_size=8192),
+                                          chunked_prefill_size=8192, enable_two_batch_overlap=False),
         req_to_token_pool=pool, model_config=types.SimpleNamespace(context_len=context_len),
         ps=types.SimpleNamespace(tp_rank=0),
     )

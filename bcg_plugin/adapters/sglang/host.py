@@ -100,7 +100,7 @@ class SglangHost:
         # share, or the ranks' collectives disagree on their sizes: every bucket is a multiple of
         # SGLang's own for graph sizes (its eager steps pad to it; its prefill graphs round to it
         # from 0.5.23).
-        return sharded_buckets(config.max_tokens, config.sizes, _size_multiple(self.model_runner))
+        return sharded_buckets(config.max_tokens, config.sizes, graph_size_multiple(self.model_runner))
 
     @hookimpl
     def bcg_static_inputs(self) -> dict[str, StaticInput]:
@@ -335,7 +335,7 @@ def _sglang_call(fn: Any, server_args: Any) -> Any:
     return fn(server_args) if positional else fn()
 
 
-def _size_multiple(model_runner: Any) -> int:
+def graph_size_multiple(model_runner: Any) -> int:
     """The multiple SGLang sizes its graphs' token counts to (``get_cuda_graph_batch_size_alignment``):
     the attention-TP width where a step's rows are scattered between those ranks, doubled under
     two-batch overlap, a multiple of the attention context-parallel width; 1 in a plain layout."""

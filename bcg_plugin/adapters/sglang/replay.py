@@ -15,7 +15,7 @@ from typing import Any
 from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.sglang import config, eligibility
 from bcg_plugin.adapters.sglang.attention import step_real_rows
-from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, tp_group
+from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, graph_size_multiple, tp_group
 from bcg_plugin.adapters.sglang.metrics import stats_reporter
 from bcg_plugin.dist import first_rank
 from bcg_plugin.errors import BcgCaptureError
@@ -283,7 +283,13 @@ def store_summary(stored: int, layers: int, graph_buckets: int, buckets: int) ->
 def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     """bcg's top bucket (:func:`bcg_plugin.ladder.ladder_top`): SGLang's prefill graph ceiling (its
     chunked-prefill size), or what its request pool's rows (``max_running_requests``, per DP worker)
-    hold at ``context_len`` tokens each, where that is less."""
+    hold at ``context_len`` tokens each, where that is less.
+
+    Where SGLang scatters a step's rows between attention-TP ranks it pads every step to a multiple
+    of its graph sizes (:func:`~bcg_plugin.adapters.sglang.host.graph_size_multiple`) and rounds its
+    own prefill graphs up to one: a full chunk then arrives that padding above the ceiling, and the
+    top bucket is the ceiling rounded up likewise, so that the chunk replays as in SGLang's graphs.
+    Not past the pool's tokens, which no capture batch can exceed."""
     prefill = prefill_graph_config(model_runner)
     chunk = published("schedule", "chunked_prefill_size", model_runner.server_args)
     if prefill.max_bs:
@@ -292,15 +298,17 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
         ceiling = int(chunk)
     else:
         ceiling = int(max(prefill.bs))
+    multiple = graph_size_multiple(model_runner)
+    padded = -(-ceiling // multiple) * multiple
     pool = getattr(model_runner, "req_to_token_pool", None)
     if pool is None:
-        return ceiling
+        return padded
     context_len = int(model_runner.model_config.context_len)
     note = ladder_top_note(ceiling, int(pool.size), context_len,
                            ("SGLang's prefill ceiling", "the request pool's rows", "context_len"))
     if note is not None and log:
         logger.info("%s", note)
-    return ladder_top(ceiling, int(pool.size), context_len)
+    return ladder_top(padded, int(pool.size), context_len)
 
 
 def published(group: str, name: str, server_args: Any, section: str = "graph") -> Any:
