@@ -483,7 +483,7 @@ def test_scattered_rows_give_every_bucket_a_multiple_of_the_attention_tp_width(m
     config = BcgConfig(enable=True, sizes=sizes)
     buckets = PrefillGraphRunner(plugin_manager(host), config, chunk_size=100, device="cpu").buckets
     assert buckets and all(b % 3 == 0 and b <= 100 for b in buckets), buckets
-    assert buckets[-1] == 99  # a step of 100 tokens runs eagerly: no multiple of 3 holds it within the chunk
+    assert buckets[-1] == 99  # max_tokens 100 (as BCG_MAX_TOKENS=100 sets it): a step padded to 102 runs eagerly
     if sizes:
         assert buckets == [12, 21, 51, 99]
     host.model_runner = scattered_rows(monkeypatch, None)

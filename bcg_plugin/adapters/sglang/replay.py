@@ -304,7 +304,7 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     if pool is None:
         return padded
     context_len = int(model_runner.model_config.context_len)
-    note = ladder_top_note(ceiling, int(pool.size), context_len,
+    note = ladder_top_note(padded, int(pool.size), context_len,
                            ("SGLang's prefill ceiling", "the request pool's rows", "context_len"))
     if note is not None and log:
         logger.info("%s", note)
