@@ -290,6 +290,8 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
     own prefill graphs up to one: a full chunk then arrives that padding above the ceiling, and the
     top bucket is the ceiling rounded up likewise, so that the chunk replays as in SGLang's graphs.
     Not past the pool's tokens, which no capture batch can exceed."""
+    from sglang.srt.utils.common import ceil_align
+
     prefill = prefill_graph_config(model_runner)
     chunk = published("schedule", "chunked_prefill_size", model_runner.server_args)
     if prefill.max_bs:
@@ -298,8 +300,7 @@ def step_token_limit(model_runner: Any, *, log: bool = False) -> int:
         ceiling = int(chunk)
     else:
         ceiling = int(max(prefill.bs))
-    multiple = graph_size_multiple(model_runner)
-    padded = -(-ceiling // multiple) * multiple
+    padded = ceil_align(ceiling, graph_size_multiple(model_runner))  # SGLang's own padding of a step
     pool = getattr(model_runner, "req_to_token_pool", None)
     if pool is None:
         return padded
