@@ -66,7 +66,8 @@ class BcgConfig:
             larger; larger buckets break, where an eager call sized for the live batch beats the grid
             captured for the bucket's worst case; SGLang on flashinfer: inside the graph in buckets up
             to 512 tokens, larger ones break; on fa3 every bucket breaks until a measured limit
-            replaces that). The choice per bucket is logged with the capture summary and shown by ``bcg doctor``.
+            replaces that). The choice per bucket is logged with the capture summary and shown by
+            ``bcg doctor``.
         graph_variants: also capture the buckets whose attention is inside the graph as the host's
             variants of them, each serving the steps its attention kernel suits (SGLang with
             flashinfer 0.7.2 or later: ``fresh``, the ragged prefill without split KV, for steps whose
