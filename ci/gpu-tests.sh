@@ -4,15 +4,17 @@
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
 #   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer,
 #           sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3,
-#           sglang-fa3-graph, metrics
+#           sglang-fa3-graph, sglang-fa3-break, metrics
 # (sglang runs SGLang's triton backend, where attention breaks; sglang-flashinfer its flashinfer
 # backend with attention inside bcg's graphs, BCG_ATTENTION=graph, against SGLang's own full prefill
 # graphs; sglang-flashinfer-auto the same backend with the defaults, BCG_ATTENTION=auto, inside the
 # small buckets and breaking above, against full graphs of those buckets, and the graph buckets'
 # variants; sglang-flashinfer-one-graph the same without the variants, BCG_GRAPH_VARIANTS=0; sglang-flashinfer-break
 # the same backend with attention breaking, BCG_ATTENTION=break; sglang-fa3 the fa3 backend, SGLang's
-# default on Hopper, with the default BCG_ATTENTION=auto, which breaks in every bucket there;
-# sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full prefill graphs)
+# default on Hopper, with the default BCG_ATTENTION=auto, inside the small buckets and breaking
+# above, against full graphs of those buckets (fa3 has no variant); sglang-fa3-graph fa3 with
+# attention inside every bucket, against SGLang's own full prefill graphs; sglang-fa3-break fa3 with
+# attention breaking, against eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
@@ -34,8 +36,9 @@ for suite in "$@"; do
         sglang-flashinfer-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=break) ;;
         sglang-fa3)      args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=auto) ;;
         sglang-fa3-graph) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=graph) ;;
+        sglang-fa3-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=break) ;;
         metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;
-        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3, sglang-fa3-graph, metrics)" >&2; exit 2 ;;
+        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3, sglang-fa3-graph, sglang-fa3-break, metrics)" >&2; exit 2 ;;
     esac
     log="$logdir/$suite.log"
     {

@@ -669,11 +669,11 @@ def test_fa3_is_declined_under_dp_attention_and_for_embedding_models():
     assert "embedding" in ga.decline_reason(runner, None)
 
 
-def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_none(caplog):
+def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_the_small_ones(caplog):
+    buckets = [16, 512, 576, 1024]
+    assert ga.GraphAttention(fa3_runner(), None, 8192, "cpu").choose(buckets, "auto") == [16, 512]
+    assert ga.GraphAttention(fa3_runner(), None, 8192, "cpu").choose(buckets, "break") is None
     runner = fa3_runner()
-    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert ga.GraphAttention(runner, None, 8192, "cpu").choose([16, 32, 64], "auto") is None
-    assert "no measured limit for fa3" in caplog.text
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     assert graph.choose([16, 32, 64], "graph") == [16, 32, 64] and graph.request_slots == 4
     assert not hasattr(runner.attn_backend, "full_cg_prefill_wrappers")  # fa3's plan makes its own buffers

@@ -38,10 +38,12 @@ must replay in the next larger bucket, which breaks, and match eager. By default
 without a cached prefix replay in it, the others in the bucket's own graph, and the check covers
 both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each bucket once. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
-in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` breaks in every bucket, the
-store in the segment too (``sglang-fa3``), and ``graph`` keeps attention inside every bucket
-(``sglang-fa3-graph``, against SGLang's full prefill graphs on fa3). On a backend whose break stores
-the KV cache the stale-store control has nothing to make stale and is skipped.
+in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` keeps attention inside the
+buckets up to the adapter's limit as on flashinfer, without variants (``sglang-fa3``, against
+SGLang's full prefill graphs on fa3 of those buckets), ``graph`` inside every bucket
+(``sglang-fa3-graph``), and ``break`` in none, the store in the segment (``sglang-fa3-break``,
+against eager). On a backend whose break stores the KV cache the stale-store control has nothing to
+make stale and is skipped.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
@@ -120,14 +122,14 @@ VARIANTS = os.environ.get("BCG_GRAPH_VARIANTS", "1" if BcgConfig().graph_variant
 def inside_tokens() -> int:
     """The largest bucket bcg captures with attention inside its graph (0 for none): on flashinfer or
     fa3 without DP attention, every bucket under ``graph``; under ``auto`` those up to the adapter's
-    limit on flashinfer, none on fa3."""
+    limit."""
     if ATTENTION_BACKEND not in ("flashinfer", "fa3") or DP != 1 or ATTENTION == "break":
         return 0
     from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
 
     if ATTENTION == "graph":
         return TOP_BUCKET
-    return 0 if ATTENTION_BACKEND == "fa3" else min(AUTO_GRAPH_ATTENTION_TOKENS, TOP_BUCKET)
+    return min(AUTO_GRAPH_ATTENTION_TOKENS, TOP_BUCKET)
 
 
 INSIDE_TOKENS = inside_tokens()
@@ -501,9 +503,9 @@ def bcg_capture(runs: dict) -> dict:
 
 def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs):
     """flashinfer and fa3: every bucket captured attention inside its graph under ``BCG_ATTENTION=graph``;
-    on flashinfer under ``auto`` every bucket up to ``INSIDE_TOKENS`` and none above, so the check
-    below covers that path (and under ``auto`` the break above it); otherwise none did (``break``,
-    ``auto`` on fa3, or triton, which has no graph plan)."""
+    under ``auto`` every bucket up to ``INSIDE_TOKENS`` and none above, so the check below covers
+    that path (and under ``auto`` the break above it); otherwise none did (``break``, or triton,
+    which has no graph plan)."""
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
     print(f"[bcg gpu] {ATTENTION_BACKEND}: attention inside the graph in {len(inside)} of "
@@ -644,7 +646,7 @@ def reroute_wave(seed: int = SEED + 3) -> list[dict]:
 def reroute_runs(checkpoint, runs):
     if not GRAPH_ATTENTION or INSIDE_TOKENS == TOP_BUCKET:  # GRAPH_ATTENTION holds only without DP attention
         pytest.skip("needs buckets that keep attention inside and larger ones that break "
-                    "(flashinfer with BCG_ATTENTION=auto, no DP attention)")
+                    "(flashinfer or fa3 with BCG_ATTENTION=auto, no DP attention)")
     wave = reroute_wave()
     assert sum(len(r["ids"]) for r in wave) <= INSIDE_TOKENS
     eager = run_engine(checkpoint, "disabled", [wave], [])

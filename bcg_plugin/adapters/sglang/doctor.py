@@ -55,8 +55,7 @@ def attention_scope(config: BcgConfig) -> str:
         return "an eager break in every bucket"
     where = ("every bucket, where SGLang runs the flashinfer or fa3 attention backend" if config.attention == "graph"
              else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones), where SGLang "
-                  "runs the flashinfer attention backend (on fa3 an eager break in every bucket: attention 'graph' "
-                  "keeps it inside)")
+                  "runs the flashinfer or fa3 attention backend")
     variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a {FRESH!r} "
                 "variant running the ragged prefill for steps without a cached prefix"
                 if config.graph_variants else "")

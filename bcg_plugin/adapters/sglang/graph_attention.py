@@ -14,8 +14,7 @@ Its kernels are those of SGLang's full graphs, not eager's (on flashinfer a page
 token where eager runs a ragged one over the new tokens; on fa3 eager's paged kernel over a grid
 sized for the bucket and its request slots), so its outputs are held to full's, not to eager's.
 ``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
-inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on flashinfer, and on fa3, whose limit
-no run has measured yet, inside none.
+inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on either backend.
 
 With ``graph_variants`` (on by default) every graph bucket is also captured as the variant
 :data:`FRESH`, for steps whose requests have no cached prefix: there attention runs flashinfer's
@@ -59,13 +58,14 @@ GRAPH_KV_INDEX_BYTES = 64 << 20
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
 MIN_REQUEST_SLOTS = 64
-# The largest bucket "auto" keeps attention inside the graph for on flashinfer. Up to it the host time of the
-# flashinfer breaks (the wrapper's Python, once per layer) is not hidden behind the step's GPU work,
-# and a graph without them is faster; above it an eager ragged prefill sized for the live batch beats
-# the paged one captured for the bucket's worst case (docs/benchmarks.md: SGLang 0.5.23 on flashinfer,
-# and, under the earlier runs, sglang-0.5.23-qwen3-0.6b-flashinfer-2026-12-04T1302Z, bcg against
-# bcg_break and full, on the Qwen3-0.6B shape; a larger model's GPU work hides the breaks from fewer
-# tokens on).
+# The largest bucket "auto" keeps attention inside the graph for, on flashinfer and fa3. Up to it the
+# host time of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU
+# work, and a graph without them is faster. Above it, on flashinfer an eager ragged prefill sized for
+# the live batch beats the paged one captured for the bucket's worst case; on fa3, which captures
+# eager's paged kernel over a grid sized for the bucket, the two are level end to end from 1024
+# tokens on, and the captured forward takes 1-3% longer from 2048 (docs/benchmarks.md: SGLang 0.5.23
+# on flashinfer and on fa3, bcg against full on the Qwen3-0.6B shape; a larger model's GPU work hides
+# the breaks from fewer tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
 # The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
 FRESH = "fresh"
@@ -278,18 +278,14 @@ class GraphAttention:
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
         """The buckets whose attention stays inside the graph where the runner allows it: every
-        bucket for ``"graph"``; for ``"auto"`` those up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on
-        flashinfer and none on fa3; none for ``"break"``."""
+        bucket for ``"graph"``; for ``"auto"`` those up to :data:`AUTO_GRAPH_ATTENTION_TOKENS`; none
+        for ``"break"``."""
         if attention == "break":
             return None
         if self.reason is not None:
             # A warning only where "graph" was asked for: under "auto" breaking is the expected outcome.
             (logger.warning if attention == "graph" else logger.info)(
                 "bcg: attention stays an eager break in every bucket: %s", self.reason)
-            return None
-        if attention == "auto" and self.kind == FA3:
-            logger.info("bcg: attention stays an eager break in every bucket: 'auto' has no measured limit for "
-                        "fa3 (attention 'graph' keeps it inside every bucket)")
             return None
         chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= AUTO_GRAPH_ATTENTION_TOKENS]
         if not chosen:
