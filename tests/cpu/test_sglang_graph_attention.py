@@ -710,6 +710,52 @@ def test_fa3_capture_makes_sglangs_metadata_for_the_request_slots_and_replays_re
     assert meta.page_table[0, :12].tolist() == list(range(2000, 2012))
 
 
+def test_fa3_auto_plans_its_graph_buckets_apart_from_the_breaking_ones_it_captures_first(monkeypatch):
+    """Under ``auto`` the breaking buckets above the limit are captured first (largest first), each
+    staged with SGLang's eager plan; fa3's graph metadata is made by the largest graph bucket and
+    read by the smaller ones, and replays that alternate with eager steps refill it in place."""
+    import sglang.srt.model_executor.forward_batch_info as info
+
+    monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: False)
+    runner = fa3_runner()
+    backend = runner.attn_backend
+    eager_plans = []
+
+    def eager_plan(fb):
+        eager_plans.append(fb.batch_size)
+        backend.forward_metadata = types.SimpleNamespace(eager=fb.batch_size)
+
+    backend.init_forward_metadata = eager_plan
+    host = _capture_host(runner)
+    buckets = [16, 64, 512, 576, 1024]
+    assert host.bcg_graph_attention(buckets, "auto") == [16, 64, 512]
+    made = []
+    for bucket in sorted(buckets, reverse=True):
+        host.bcg_dummy_batch(bucket, graph_attention=bucket <= 512, variant=None)
+        meta = backend.full_cg_prefill_metadata
+        if bucket > 512:
+            assert meta is None  # a breaking bucket's staging plans eagerly, making no graph buffers
+            continue
+        assert meta.max_seq_len_q == bucket and meta.cache_seqlens_int32.shape == (host.graph.request_slots,)
+        made.append(meta)
+    assert len(eager_plans) == 2 and all(m is made[0] for m in made)
+
+    meta = made[0]
+    buffers = [t.data_ptr() for t in (meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.page_table)]
+    host.graph.plan_replay(extend([9, 7], [2, 0], rows=[3, 5]))
+    assert backend.forward_metadata is meta
+    eager_plan(extend([60] * 9, [0] * 9, rows=list(range(9))))  # a step in a breaking bucket
+    assert backend.forward_metadata is not meta
+    host.graph.plan_replay(extend([12], [4], rows=[2]))
+    slots = host.graph.request_slots
+    assert backend.forward_metadata is meta and meta.cache_seqlens_int32.tolist() == [12] + [0] * (slots - 1)
+    assert buffers == [t.data_ptr() for t in (meta.cache_seqlens_int32, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                                                meta.page_table)]
+    # more requests than the slots: not a graph bucket's step (the replay takes a breaking one)
+    assert host.graph.fits(extend([5] * slots, [0] * slots, rows=list(range(slots))))
+    assert not host.graph.fits(extend([5] * (slots + 1), [0] * (slots + 1), rows=list(range(slots + 1))))
+
+
 def test_fa3_plan_refuses_a_live_batch_not_padded_to_the_request_slots():
     """Control: SGLang's plan checks the request count it was captured for, so planning the live
     batch as it comes (not :meth:`RequestSlots.padded_view`) fails instead of misreading rows."""
