@@ -61,11 +61,11 @@ MIN_REQUEST_SLOTS = 64
 # The largest bucket "auto" keeps attention inside the graph for, on flashinfer and fa3. Up to it the
 # host time of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU
 # work, and a graph without them is faster. Above it, on flashinfer an eager ragged prefill sized for
-# the live batch beats the paged one captured for the bucket's worst case; on fa3, which captures
-# eager's paged kernel over a grid sized for the bucket, the two are level end to end from 1024
-# tokens on, and the captured forward takes 1-3% longer from 2048 (docs/benchmarks.md: SGLang 0.5.23
-# on flashinfer and on fa3, bcg against full on the Qwen3-0.6B shape; a larger model's GPU work hides
-# the breaks from fewer tokens on).
+# the live batch beats the paged one captured for the bucket's worst case. On fa3, which captures
+# eager's paged kernel over a grid sized for the bucket, breaking in every bucket lost to SGLang's
+# full graphs by 20-36% up to 512 tokens and was within the host's noise of them from 1024, so the
+# limit stays where the gain is clear (docs/benchmarks.md: SGLang 0.5.23 on flashinfer and on fa3,
+# the Qwen3-0.6B shape; a larger model's GPU work would hide the breaks from fewer tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = 512
 # The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
 FRESH = "fresh"
