@@ -45,8 +45,9 @@ class BcgConfig:
             unusable (those fail the boot with advice either way); ``"raise"`` fails the boot.
         warmup: ``"every_bucket"`` runs one eager forward at each bucket's size before capturing
             it, so lazy initialisation and per-shape autotuning stay out of every graph;
-            ``"first_bucket"`` warms up only the first (largest) bucket and captures the others
-            directly, retrying a bucket after its own warm-up if its direct capture fails. The
+            ``"first_bucket"`` warms up only the first (largest) bucket, and the first with attention
+            inside the graph where larger ones break, and captures the others directly, retrying a
+            bucket after its own warm-up if its direct capture fails. The
             vLLM adapter defaults to ``"first_bucket"``, verified there by its engine tests.
         torch_compile: keep the host's torch.compile of the model body and capture the compiled code
             (attention where ``attention`` puts it), so graph-bound sizes get the compiler's fused kernels

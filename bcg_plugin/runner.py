@@ -386,10 +386,14 @@ class PrefillGraphRunner:
                          after_each: Callable[[], None] | None) -> None:
         ordered = sorted(buckets, reverse=True)
         every = self.config.warmup == "every_bucket"
-        warmed: set[str] = set()  # variants captured once: the first of each runs its kernels eagerly first
-        for i, bucket in enumerate(tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress,
-                                        leave=False)):
-            self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=i == 0 or every)
+        # The kinds of capture done once: the first of each runs its kernels eagerly first. Attention
+        # inside the graph runs other kernels and plans than a break, and under "auto" the largest
+        # buckets, captured first, break.
+        warmed: set[str | bool] = set()
+        for bucket in tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress, leave=False):
+            inside = bucket in self.graph_attention
+            self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=inside not in warmed or every)
+            warmed.add(inside)
             for name in self.graph_variants.get(bucket, ()):
                 graph = self._capture_variant(bucket, name, stream, group, warm=name not in warmed or every)
                 if graph is None:

@@ -93,8 +93,8 @@ def test_each_variant_is_captured_after_its_bucket_and_warmed_up_the_first_time(
     runner.capture(progress=False)
     assert [entry[1:] for entry in log] == [
         (64, None, True),
-        (32, None, False), (32, "fresh", True),  # the first capture of a variant runs its kernels eagerly first
-        (16, None, False), (16, "fresh", False),
+        (32, None, True), (32, "fresh", True),  # the first bucket with attention inside, and of a variant,
+        (16, None, False), (16, "fresh", False),  # runs its kernels eagerly first
     ]
     assert runner.graph_variants == {16: ("fresh",), 32: ("fresh",)}
     assert runner.stats.buckets_captured == 3 and runner.stats.variant_graphs == 2
