@@ -47,8 +47,8 @@ class BcgConfig:
             it, so lazy initialisation and per-shape autotuning stay out of every graph;
             ``"first_bucket"`` warms up only the first (largest) bucket, and the first with attention
             inside the graph where larger ones break, and captures the others directly, retrying a
-            bucket after its own warm-up if its direct capture fails. The
-            vLLM adapter defaults to ``"first_bucket"``, verified there by its engine tests.
+            bucket after its own warm-up if its direct capture fails. The vLLM adapter defaults to
+            ``"first_bucket"``, verified there by its engine tests.
         torch_compile: keep the host's torch.compile of the model body and capture the compiled code
             (attention where ``attention`` puts it), so graph-bound sizes get the compiler's fused kernels
             too. vLLM only (its piecewise compilation already splits the body at attention); off,
@@ -60,8 +60,8 @@ class BcgConfig:
             ``cudagraph_mode`` with FULL graphs, no data parallelism; FA3's graph bound is raised
             from ``max_cudagraph_capture_size`` to the top bucket; SGLang: the flashinfer or fa3 backend
             without DP attention, sliding-window or cross attention), so a batch replays one graph
-            with no eager step; elsewhere every bucket breaks. ``"break"``: an eager call between graph segments in every bucket,
-            sized for the live batch. ``"auto"``: the host's default per bucket (vLLM: inside the
+            with no eager step; elsewhere every bucket breaks. ``"break"``: an eager call between
+            graph segments in every bucket, sized for the live batch. ``"auto"``: the host's default per bucket (vLLM: inside the
             graph in buckets up to 2048 tokens, or up to ``max_cudagraph_capture_size`` if that is
             larger; larger buckets break, where an eager call sized for the live batch beats the grid
             captured for the bucket's worst case; SGLang on flashinfer or fa3: inside the graph in

@@ -386,14 +386,16 @@ class PrefillGraphRunner:
                          after_each: Callable[[], None] | None) -> None:
         ordered = sorted(buckets, reverse=True)
         every = self.config.warmup == "every_bucket"
-        # The kinds of capture done once: the first of each runs its kernels eagerly first. Attention
-        # inside the graph runs other kernels and plans than a break, and under "auto" the largest
-        # buckets, captured first, break.
-        warmed: set[str | bool] = set()
+        # The first capture of each kind runs its kernels eagerly first: of buckets with attention
+        # breaking and with it inside the graph (other kernels and plans; under "auto" the largest
+        # buckets, captured first, break), and of each variant.
+        inside_warmed: set[bool] = set()
+        warmed: set[str] = set()
         for bucket in tqdm(ordered, desc="bcg capture", unit="bucket", disable=not progress, leave=False):
             inside = bucket in self.graph_attention
-            self._graphs[bucket] = self._capture_agreed(bucket, stream, group, warm=inside not in warmed or every)
-            warmed.add(inside)
+            self._graphs[bucket] = self._capture_agreed(bucket, stream, group,
+                                                        warm=inside not in inside_warmed or every)
+            inside_warmed.add(inside)
             for name in self.graph_variants.get(bucket, ()):
                 graph = self._capture_variant(bucket, name, stream, group, warm=name not in warmed or every)
                 if graph is None:
