@@ -61,12 +61,13 @@ class BcgConfig:
             from ``max_cudagraph_capture_size`` to the top bucket; SGLang: the flashinfer or fa3 backend
             without DP attention, sliding-window or cross attention), so a batch replays one graph
             with no eager step; elsewhere every bucket breaks. ``"break"``: an eager call between
-            graph segments in every bucket, sized for the live batch. ``"auto"``: the host's default per bucket (vLLM: inside the
-            graph in buckets up to 2048 tokens, or up to ``max_cudagraph_capture_size`` if that is
-            larger; larger buckets break, where an eager call sized for the live batch beats the grid
-            captured for the bucket's worst case; SGLang on flashinfer or fa3: inside the graph in
-            buckets up to 512 tokens, larger ones break). The choice per bucket is logged with the
-            capture summary and shown by ``bcg doctor``.
+            graph segments in every bucket, sized for the live batch. ``"auto"``: the host's
+            default per bucket (vLLM: inside the graph in buckets up to 2048 tokens, or up to
+            ``max_cudagraph_capture_size`` if that is larger; larger buckets break, where an eager
+            call sized for the live batch beats the grid captured for the bucket's worst case;
+            SGLang on flashinfer or fa3: inside the graph in buckets up to 512 tokens, larger ones
+            break). The choice per bucket is logged with the capture summary and shown by
+            ``bcg doctor``.
         graph_variants: also capture the buckets whose attention is inside the graph as the host's
             variants of them, each serving the steps its attention kernel suits (SGLang with
             flashinfer 0.7.2 or later: ``fresh``, the ragged prefill without split KV, for steps whose
