@@ -65,9 +65,9 @@ class BcgConfig:
             default per bucket (vLLM: inside the graph in buckets up to 2048 tokens, or up to
             ``max_cudagraph_capture_size`` if that is larger; larger buckets break, where an eager
             call sized for the live batch beats the grid captured for the bucket's worst case;
-            SGLang on flashinfer or fa3: inside the graph in buckets up to 512 tokens, larger ones
-            break). The choice per bucket is logged with the capture summary and shown by
-            ``bcg doctor``.
+            SGLang: inside the graph in buckets up to 512 tokens on flashinfer and 1024 on fa3,
+            larger ones break). The choice per bucket is logged with the capture summary and shown
+            by ``bcg doctor``.
         graph_variants: also capture the buckets whose attention is inside the graph as the host's
             variants of them, each serving the steps its attention kernel suits (SGLang with
             flashinfer 0.7.2 or later: ``fresh``, the ragged prefill without split KV, for steps whose

@@ -11,10 +11,10 @@
 # small buckets and breaking above, against full graphs of those buckets, and the graph buckets'
 # variants; sglang-flashinfer-one-graph the same without the variants, BCG_GRAPH_VARIANTS=0; sglang-flashinfer-break
 # the same backend with attention breaking, BCG_ATTENTION=break; sglang-fa3 the fa3 backend, SGLang's
-# default on Hopper, with the default BCG_ATTENTION=auto, inside the small buckets and breaking
-# above, against full graphs of those buckets (fa3 has no variant); sglang-fa3-graph fa3 with
-# attention inside every bucket, against SGLang's own full prefill graphs; sglang-fa3-break fa3 with
-# attention breaking, against eager)
+# default on Hopper, with the default BCG_ATTENTION=auto, inside the buckets up to 1024 tokens and
+# breaking above (a chunk of 2048, so that some break), against full graphs of those buckets (fa3
+# has no variant); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full
+# prefill graphs; sglang-fa3-break fa3 with attention breaking, against eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
@@ -34,7 +34,7 @@ for suite in "$@"; do
         sglang-flashinfer-auto) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=auto) ;;
         sglang-flashinfer-one-graph) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=auto BCG_GRAPH_VARIANTS=0) ;;
         sglang-flashinfer-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=break) ;;
-        sglang-fa3)      args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=auto) ;;
+        sglang-fa3)      args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=auto BCG_TEST_CHUNK=2048) ;;
         sglang-fa3-graph) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=graph) ;;
         sglang-fa3-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=break) ;;
         metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;

@@ -155,7 +155,7 @@ def test_graph_keeps_attention_inside_every_bucket_auto_the_small_ones_and_break
     buckets = [16, 512, 576, 1024, 2048, 8192]
     assert ga.GraphAttention(model_runner(), None, 8192, "cpu").choose(buckets, "graph") == buckets
     runner = model_runner()
-    assert ga.AUTO_GRAPH_ATTENTION_TOKENS == 512
+    assert ga.AUTO_GRAPH_ATTENTION_TOKENS[ga.FLASHINFER] == 512
     assert ga.GraphAttention(runner, None, 8192, "cpu").choose(buckets, "auto") == [16, 512]
     assert runner.attn_backend.made == [(64, 512)]  # the wrappers sized for the largest bucket chosen
     runner = model_runner()
@@ -456,7 +456,8 @@ def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
     assert "'fresh' variant" in attention_scope(BcgConfig())
     assert "'fresh' variant" not in attention_scope(BcgConfig(graph_variants=False))
-    assert attention_scope(BcgConfig(attention="auto")).startswith("inside the graph in buckets up to 512 tokens")
+    assert attention_scope(BcgConfig(attention="auto")).startswith(
+        "inside the graph in buckets up to 512 tokens on SGLang's flashinfer attention backend and up to 1024 on fa3")
     assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")
 
 
@@ -670,8 +671,10 @@ def test_fa3_is_declined_under_dp_attention_and_for_embedding_models():
 
 
 def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_the_small_ones(caplog):
-    buckets = [16, 512, 576, 1024]
-    assert ga.GraphAttention(fa3_runner(), None, 8192, "cpu").choose(buckets, "auto") == [16, 512]
+    """fa3's limit is its own: up to 1024 tokens a forward that breaks is host-bound there."""
+    buckets = [16, 512, 576, 1024, 1152, 2048]
+    assert ga.AUTO_GRAPH_ATTENTION_TOKENS[ga.FA3] == 1024
+    assert ga.GraphAttention(fa3_runner(), None, 8192, "cpu").choose(buckets, "auto") == [16, 512, 576, 1024]
     assert ga.GraphAttention(fa3_runner(), None, 8192, "cpu").choose(buckets, "break") is None
     runner = fa3_runner()
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
@@ -717,7 +720,7 @@ def test_fa3_auto_plans_its_graph_buckets_apart_from_the_breaking_ones_it_captur
     import sglang.srt.model_executor.forward_batch_info as info
 
     monkeypatch.setattr(info, "enable_num_token_non_padded", lambda: False)
-    runner = fa3_runner()
+    runner = fa3_runner(context_len=2048)  # room for the 1024-token graph bucket's capture batch
     backend = runner.attn_backend
     eager_plans = []
 
@@ -727,13 +730,13 @@ def test_fa3_auto_plans_its_graph_buckets_apart_from_the_breaking_ones_it_captur
 
     backend.init_forward_metadata = eager_plan
     host = _capture_host(runner)
-    buckets = [16, 64, 512, 576, 1024]
-    assert host.bcg_graph_attention(buckets, "auto") == [16, 64, 512]
+    buckets = [16, 64, 1024, 1152, 2048]
+    assert host.bcg_graph_attention(buckets, "auto") == [16, 64, 1024]
     made = []
     for bucket in sorted(buckets, reverse=True):
-        host.bcg_dummy_batch(bucket, graph_attention=bucket <= 512, variant=None)
+        host.bcg_dummy_batch(bucket, graph_attention=bucket <= 1024, variant=None)
         meta = backend.full_cg_prefill_metadata
-        if bucket > 512:
+        if bucket > 1024:
             assert meta is None  # a breaking bucket's staging plans eagerly, making no graph buffers
             continue
         assert meta.max_seq_len_q == bucket and meta.cache_seqlens_int32.shape == (host.graph.request_slots,)

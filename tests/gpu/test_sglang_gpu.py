@@ -129,7 +129,7 @@ def inside_tokens() -> int:
 
     if ATTENTION == "graph":
         return TOP_BUCKET
-    return min(AUTO_GRAPH_ATTENTION_TOKENS, TOP_BUCKET)
+    return min(AUTO_GRAPH_ATTENTION_TOKENS[ATTENTION_BACKEND], TOP_BUCKET)
 
 
 INSIDE_TOKENS = inside_tokens()

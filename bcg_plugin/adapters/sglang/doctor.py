@@ -49,13 +49,14 @@ def memory_saver_note() -> str | None:
 def attention_scope(config: BcgConfig) -> str:
     """Where each bucket's attention runs under ``config``
     (:meth:`~bcg_plugin.adapters.sglang.graph_attention.GraphAttention.choose`)."""
-    from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS, FRESH, FRESH_MIN_FLASHINFER
+    from bcg_plugin.adapters.sglang.graph_attention import (AUTO_GRAPH_ATTENTION_TOKENS, FA3, FLASHINFER, FRESH,
+                                                            FRESH_MIN_FLASHINFER)
 
     if config.attention == "break":
         return "an eager break in every bucket"
     where = ("every bucket, where SGLang runs the flashinfer or fa3 attention backend" if config.attention == "graph"
-             else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS} tokens (an eager break in larger ones), where SGLang "
-                  "runs the flashinfer or fa3 attention backend")
+             else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS[FLASHINFER]} tokens on SGLang's flashinfer attention "
+                  f"backend and up to {AUTO_GRAPH_ATTENTION_TOKENS[FA3]} on fa3 (an eager break in larger ones)")
     variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a {FRESH!r} "
                 "variant running the ragged prefill for steps without a cached prefix"
                 if config.graph_variants else "")

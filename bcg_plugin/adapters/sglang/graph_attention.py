@@ -14,7 +14,7 @@ Its kernels are those of SGLang's full graphs, not eager's (on flashinfer a page
 token where eager runs a ragged one over the new tokens; on fa3 eager's paged kernel over a grid
 sized for the bucket and its request slots), so its outputs are held to full's, not to eager's.
 ``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
-inside the buckets up to :data:`AUTO_GRAPH_ATTENTION_TOKENS` on either backend.
+inside the buckets up to the backend's :data:`AUTO_GRAPH_ATTENTION_TOKENS`.
 
 With ``graph_variants`` (on by default) every graph bucket is also captured as the variant
 :data:`FRESH`, for steps whose requests have no cached prefix: there attention runs flashinfer's
@@ -58,15 +58,15 @@ GRAPH_KV_INDEX_BYTES = 64 << 20
 # gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
 # step of a few prompts beside a running batch would run eagerly that often.
 MIN_REQUEST_SLOTS = 64
-# The largest bucket "auto" keeps attention inside the graph for, on flashinfer and fa3. Up to it the
-# host time of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU
-# work, and a graph without them is faster. Above it, on flashinfer an eager ragged prefill sized for
-# the live batch beats the paged one captured for the bucket's worst case. On fa3, which captures
-# eager's paged kernel over a grid sized for the bucket, breaking in every bucket lost to SGLang's
-# full graphs by 20-36% up to 512 tokens and was within the host's noise of them from 1024, so the
-# limit stays where the gain is clear (docs/benchmarks.md: SGLang 0.5.23 on flashinfer and on fa3,
-# the Qwen3-0.6B shape; a larger model's GPU work would hide the breaks from fewer tokens on).
-AUTO_GRAPH_ATTENTION_TOKENS = 512
+# The largest bucket "auto" keeps attention inside the graph for, per backend. Up to it the host time
+# of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU work, and a
+# graph without them is faster. Above it an eager call sized for the live batch wins: on flashinfer
+# the ragged prefill beats the paged one the graph runs over the bucket's worst case from 768 tokens;
+# on fa3, whose graph runs eager's paged kernel over a grid sized for the bucket, a forward that
+# breaks stays host-bound through 1024 tokens (1.08x SGLang's full graphs there) and is ahead from
+# 2048 (docs/benchmarks.md: SGLang 0.5.23 on flashinfer and on fa3, the Qwen3-0.6B shape; a larger
+# model's GPU work would hide the breaks from fewer tokens on).
+AUTO_GRAPH_ATTENTION_TOKENS = {FLASHINFER: 512, FA3: 1024}
 # The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
 FRESH = "fresh"
 # The first flashinfer whose graph plans mask the captured grid's padded tiles without split KV
@@ -278,8 +278,8 @@ class GraphAttention:
 
     def choose(self, buckets: list[int], attention: str) -> list[int] | None:
         """The buckets whose attention stays inside the graph where the runner allows it: every
-        bucket for ``"graph"``; for ``"auto"`` those up to :data:`AUTO_GRAPH_ATTENTION_TOKENS`; none
-        for ``"break"``."""
+        bucket for ``"graph"``; for ``"auto"`` those up to the backend's
+        :data:`AUTO_GRAPH_ATTENTION_TOKENS`; none for ``"break"``."""
         if attention == "break":
             return None
         if self.reason is not None:
@@ -287,7 +287,8 @@ class GraphAttention:
             (logger.warning if attention == "graph" else logger.info)(
                 "bcg: attention stays an eager break in every bucket: %s", self.reason)
             return None
-        chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= AUTO_GRAPH_ATTENTION_TOKENS]
+        limit = AUTO_GRAPH_ATTENTION_TOKENS[self.kind]
+        chosen = list(buckets) if attention == "graph" else [b for b in buckets if b <= limit]
         if not chosen:
             return None
         if self.slots is None:
