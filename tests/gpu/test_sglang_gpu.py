@@ -39,8 +39,9 @@ without a cached prefix replay in it, the others in the bucket's own graph, and 
 both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each bucket once. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
 in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` keeps attention inside the
-buckets up to the adapter's limit as on flashinfer, without variants (``sglang-fa3``, against
-SGLang's full prefill graphs on fa3 of those buckets), ``graph`` inside every bucket
+buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a chunk of 2048 for
+some buckets to break), without variants, against SGLang's full prefill graphs on fa3 of those
+buckets; ``graph`` inside every bucket
 (``sglang-fa3-graph``), and ``break`` in none, the store in the segment (``sglang-fa3-break``,
 against eager). On a backend whose break stores the KV cache the stale-store control has nothing to
 make stale and is skipped.
@@ -645,8 +646,8 @@ def reroute_wave(seed: int = SEED + 3) -> list[dict]:
 @pytest.fixture(scope="module")
 def reroute_runs(checkpoint, runs):
     if not GRAPH_ATTENTION or INSIDE_TOKENS == TOP_BUCKET:  # GRAPH_ATTENTION holds only without DP attention
-        pytest.skip("needs buckets that keep attention inside and larger ones that break "
-                    "(flashinfer or fa3 with BCG_ATTENTION=auto, no DP attention)")
+        pytest.skip("needs buckets that keep attention inside and larger ones that break (flashinfer or fa3 "
+                    "with BCG_ATTENTION=auto, no DP attention, a chunk above the backend's limit)")
     wave = reroute_wave()
     assert sum(len(r["ids"]) for r in wave) <= INSIDE_TOKENS
     eager = run_engine(checkpoint, "disabled", [wave], [])
