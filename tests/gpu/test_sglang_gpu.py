@@ -41,9 +41,8 @@ both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each b
 in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` keeps attention inside the
 buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a chunk of 2048 for
 some buckets to break), without variants, against SGLang's full prefill graphs on fa3 of those
-buckets; ``graph`` inside every bucket
-(``sglang-fa3-graph``), and ``break`` in none, the store in the segment (``sglang-fa3-break``,
-against eager). On a backend whose break stores the KV cache the stale-store control has nothing to
+buckets; ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
+the segment (``sglang-fa3-break``, against eager). On a backend whose break stores the KV cache the stale-store control has nothing to
 make stale and is skipped.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
@@ -124,10 +123,10 @@ def inside_tokens() -> int:
     """The largest bucket bcg captures with attention inside its graph (0 for none): on flashinfer or
     fa3 without DP attention, every bucket under ``graph``; under ``auto`` those up to the adapter's
     limit."""
-    if ATTENTION_BACKEND not in ("flashinfer", "fa3") or DP != 1 or ATTENTION == "break":
-        return 0
     from bcg_plugin.adapters.sglang.graph_attention import AUTO_GRAPH_ATTENTION_TOKENS
 
+    if ATTENTION_BACKEND not in AUTO_GRAPH_ATTENTION_TOKENS or DP != 1 or ATTENTION == "break":
+        return 0
     if ATTENTION == "graph":
         return TOP_BUCKET
     return min(AUTO_GRAPH_ATTENTION_TOKENS[ATTENTION_BACKEND], TOP_BUCKET)
