@@ -109,7 +109,7 @@ def test_a_flashinfer_backend_without_sglangs_full_graph_plan_is_declined(monkey
 
 def test_request_slots_follow_sglangs_setting_else_its_rule_raised_to_the_minimum():
     assert ga.request_slots(model_runner(max_req=24), chunk=8192, top=1024) == 24
-    assert ga.request_slots(model_runner(), chunk=1024, top=1024) == ga.MIN_REQUEST_SLOTS  # 1024 // 512 = 2
+    assert ga.request_slots(model_runner(), chunk=1024, top=1024) == ga.MIN_REQUEST_SLOTS[ga.FLASHINFER] == 64
     assert ga.request_slots(model_runner(), chunk=65536, top=1024) == 128
     # no more requests than the top bucket's rows (flashinfer's workspace is sized for that at most)
     assert ga.request_slots(model_runner(), chunk=8192, top=32) == 32
@@ -651,14 +651,28 @@ def test_fa3_keeps_attention_inside_with_an_unquantized_kv_cache_named_explicitl
     assert ga.decline_reason(fa3_runner(kv_cache_dtype_str=dtype), None) is None
 
 
+def fa3_slots(chunk, top=1024, **runner):
+    return ga.request_slots(model_runner(fa3_backend(context_len=16384), pool_rows=256, context_len=16384,
+                                         **runner), chunk=chunk, top=top)
+
+
+def test_fa3_request_slots_follow_sglangs_rule_as_its_full_graphs_do():
+    """fa3's split-KV combine runs over every request slot of a bucket where it splits, so fa3 plans
+    for the slots SGLang's own full graphs have (chunk / 512, at least 1), not flashinfer's 64."""
+    assert fa3_slots(8192) == 16
+    assert fa3_slots(2048) == 4
+    assert fa3_slots(256, top=256) == 1
+    assert fa3_slots(8192, max_req=48) == 48  # the operator's setting, as on flashinfer
+    assert fa3_slots(65536) == 128
+
+
 def test_request_slots_keep_the_graph_plans_kv_index_within_its_budget():
     """SGLang allocates the index after it sized the KV cache: at a 1M-token context, 64 slots would
     take 256 MiB, fa3's block table and flashinfer's KV indices alike."""
-    assert ga.request_slots(model_runner(fa3_backend(context_len=16384), pool_rows=256, context_len=16384),
-                            chunk=8192, top=8192) == 64
+    assert fa3_slots(32768, top=8192) == 64
     huge = model_runner(fa3_backend(pool_rows=2, context_len=1), pool_rows=256, context_len=1 << 20)
     huge.attn_backend.max_num_pages = 1 << 20
-    assert ga.request_slots(huge, chunk=8192, top=8192) == ga.GRAPH_KV_INDEX_BYTES // (4 << 20) == 16
+    assert ga.request_slots(huge, chunk=65536, top=8192) == ga.GRAPH_KV_INDEX_BYTES // (4 << 20) == 16
     assert ga.request_slots(model_runner(pool_rows=256, context_len=16384), chunk=8192, top=8192) == 64
     assert ga.request_slots(model_runner(pool_rows=256, context_len=1 << 20), chunk=8192, top=8192) == 16
 

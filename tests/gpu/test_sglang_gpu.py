@@ -42,7 +42,8 @@ in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` keeps att
 buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a chunk of 2048 for
 some buckets to break), without variants, against SGLang's full prefill graphs on fa3 of those
 buckets; ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
-the segment (``sglang-fa3-break``, against eager). On a backend whose break stores the KV cache the stale-store control has nothing to
+the segment (``sglang-fa3-break``, against eager). Where attention stays inside, bcg's engines and
+full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold. On a backend whose break stores the KV cache the stale-store control has nothing to
 make stale and is skipped.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
@@ -267,20 +268,24 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = T
     )
 
 
+# The request slots of the suite's bcg and full engines where attention stays inside bcg's graphs:
+# more than the workload's 60 requests at once, so that full replays every step bcg replays with
+# attention inside. Defaults would not: fa3's slots are SGLang's chunk / 512 (4 at the fa3 suite's
+# chunk), and SGLang's full runs a step of more requests eagerly.
+SUITE_SLOTS = 64
+
+
 def full_reference_graphs(chunk: int) -> dict:
-    """SGLang's full prefill graphs as the reference of bcg's graph attention: bcg's request slots
-    (SGLang's chunk / 512 would leave every step of more than two requests eager at the test's
-    chunk) and bcg's buckets that keep attention inside (``INSIDE_TOKENS``), below its first bucket
-    SGLang's smallest sizes (SGLang runs a step eagerly where its bucket more than doubles it), so
-    full replays every step bcg replays with attention inside, padded to the same rows, and runs
-    larger ones eagerly, where bcg breaks."""
-    from bcg_plugin.adapters.sglang.graph_attention import chunk_request_slots
+    """SGLang's full prefill graphs as the reference of bcg's graph attention: ``SUITE_SLOTS``
+    request slots, as bcg's engines here have, and bcg's buckets that keep attention inside
+    (``INSIDE_TOKENS``), below its first bucket SGLang's smallest sizes (SGLang runs a step eagerly
+    where its bucket more than doubles it), so full replays every step bcg replays with attention
+    inside, padded to the same rows, and runs larger ones eagerly, where bcg breaks."""
     from bcg_plugin.ladder import reference_ladder
 
     assert INSIDE_TOKENS, "full is the reference only where bcg keeps attention inside some bucket"
     ladder = [n for n in reference_ladder(chunk) if n <= INSIDE_TOKENS]
-    return {"full_prefill_max_req": chunk_request_slots(chunk),
-            "bs": [n for n in (1, 2, 4, 8) if n < ladder[0]] + ladder}
+    return {"full_prefill_max_req": SUITE_SLOTS, "bs": [n for n in (1, 2, 4, 8) if n < ladder[0]] + ladder}
 
 
 # Each engine of one test process gets its own port range: under DP attention the process keeps a
@@ -445,11 +450,13 @@ def kept(name: str, run) -> dict:
 @pytest.fixture(scope="module")
 def runs(checkpoint):
     waves, probes = workload(), probe_requests()
+    slots = {"prefill_graphs": {"full_prefill_max_req": SUITE_SLOTS}} if GRAPH_ATTENTION else None
     eager = kept("eager", lambda: run_engine(checkpoint, "disabled", waves, probes))
-    bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, BCG_STATS_INTERVAL_S="1"))
-    stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_TEST_FAULTS=STALE_FAULT,
+    bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, layout=slots, BCG_STATS_INTERVAL_S="1"))
+    stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, layout=slots, BCG_TEST_FAULTS=STALE_FAULT,
                                              BCG_SIZES=STALE_SIZES))
-    stale_store = kept("stale-store", lambda: run_engine(checkpoint, "bcg", [], probes, BCG_SIZES=STALE_SIZES,
+    stale_store = kept("stale-store", lambda: run_engine(checkpoint, "bcg", [], probes, layout=slots,
+                                                         BCG_SIZES=STALE_SIZES,
                                                          BCG_TEST_FAULTS=STALE_STORE_FAULT)) if STORE_IN_GRAPH else None
     mode = "disabled" if REFERENCE == "eager" else REFERENCE
     reference = eager if REFERENCE == "eager" else kept(REFERENCE, lambda: run_engine(checkpoint, mode, waves, probes))
@@ -628,8 +635,8 @@ def test_stale_store_slots_fail_the_same_check(runs):
 
 # -- a step with more requests than graph attention's request slots -----------------------------
 
-# The suite's workload never sends more requests at once than graph attention's request slots (64),
-# so this test gives it REROUTE_SLOTS through SGLang's own full_prefill_max_req and sends
+# The suite's workload sends at most 60 requests at once, under SUITE_SLOTS, so this test gives
+# bcg REROUTE_SLOTS through SGLang's own full_prefill_max_req and sends
 # REROUTE_PROMPTS short prompts at once: a step of more requests than slots, in few enough tokens for
 # a bucket that keeps attention inside, which must replay in the next larger bucket that breaks.
 REROUTE_SLOTS = 4

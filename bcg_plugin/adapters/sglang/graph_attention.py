@@ -54,18 +54,22 @@ FA3_UNQUANTIZED_KV = ("auto", "bf16", "bfloat16", "fp16", "float16")
 # SGLang allocates it at the first capture, after it has sized the KV cache, so a long context lowers
 # r instead. 64 MiB hold 64 request slots at a 256K-token context.
 GRAPH_KV_INDEX_BYTES = 64 << 20
-# The fewest request slots a graph bucket plans for. SGLang's own rule (chunked-prefill size / 512)
-# gives 2 at a 1024-token chunk and 16 at 8192; every decode of a mixed step is a request too, so a
-# step of a few prompts beside a running batch would run eagerly that often.
-MIN_REQUEST_SLOTS = 64
+# The fewest request slots a graph bucket plans for, per backend, where SGLang's own rule
+# (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. On
+# flashinfer every decode of a mixed step is a request too, so a step of a few prompts beside a
+# running batch would otherwise run eagerly that often. fa3 keeps SGLang's rule, as its full graphs
+# do: in the buckets where fa3's heuristic splits KV (the smaller ones; larger ones have query tiles
+# enough to fill the GPU) the split's combine kernel runs over every slot, and 64 slots cost bcg's
+# 512-token bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
+MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
 # The largest bucket "auto" keeps attention inside the graph for, per backend. Up to it the host time
 # of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU work, and a
 # graph without them is faster. Above it an eager call sized for the live batch wins: on flashinfer
 # the ragged prefill beats the paged one the graph runs over the bucket's worst case from 768 tokens;
 # on fa3, whose graph runs eager's paged kernel over a grid sized for the bucket, a forward that
-# breaks stays host-bound through 1024 tokens (1.08x SGLang's full graphs there) and is ahead from
-# 2048 (docs/benchmarks.md: SGLang 0.5.23 on flashinfer and on fa3, the Qwen3-0.6B shape; a larger
-# model's GPU work would hide the breaks from fewer tokens on).
+# breaks stays host-bound through 1024 tokens (1.08x SGLang's full graphs there, 0.92x with
+# attention inside) and is ahead from 2048 (docs/benchmarks.md: SGLang 0.5.23 on flashinfer and on
+# fa3, the Qwen3-0.6B shape; a larger model's GPU work would hide the breaks from fewer tokens on).
 AUTO_GRAPH_ATTENTION_TOKENS = {FLASHINFER: 512, FA3: 1024}
 # The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
 FRESH = "fresh"
@@ -168,29 +172,31 @@ def fresh_decline_reason(backend: Any) -> str | None:
     return None
 
 
-def chunk_request_slots(chunk: int | None) -> int:
-    """``r`` where the operator set no ``full_prefill_max_req``: SGLang's rule (chunk / 512) raised to
-    :data:`MIN_REQUEST_SLOTS`."""
-    return max((chunk or 0) // 512, MIN_REQUEST_SLOTS)
+def chunk_request_slots(chunk: int | None, kind: str) -> int:
+    """``r`` on backend ``kind`` where the operator set no ``full_prefill_max_req``: SGLang's rule
+    (chunk / 512) raised to the backend's :data:`MIN_REQUEST_SLOTS`."""
+    return max((chunk or 0) // 512, MIN_REQUEST_SLOTS[kind])
 
 
 def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     """``r``: the requests one graph-attention step may hold.
 
     SGLang's ``full_prefill_max_req`` where the operator set it, else its rule (chunk / 512) raised
-    to :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows and ``top`` (a step holds no more
-    requests than tokens, and flashinfer sizes its graph workspace for at most one request per
-    row), at most what :data:`GRAPH_KV_INDEX_BYTES` holds of the plan's per-request KV index, and at
-    least the requests the ``top`` bucket's capture batch needs at ``context_len`` tokens each.
+    to the backend's :data:`MIN_REQUEST_SLOTS`; at most the request pool's rows and ``top`` (a step
+    holds no more requests than tokens, and flashinfer sizes its graph workspace for at most one
+    request per row), at most what :data:`GRAPH_KV_INDEX_BYTES` holds of the plan's per-request KV
+    index, and at least the requests the ``top`` bucket's capture batch needs at ``context_len``
+    tokens each.
     """
     from bcg_plugin.adapters.sglang.replay import prefill_graph_config
 
+    kind = backend_kind(model_runner.attn_backend)
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
-    r = int(configured) if configured else chunk_request_slots(chunk)
+    r = int(configured) if configured else chunk_request_slots(chunk, kind)
     r = min(r, int(model_runner.req_to_token_pool.size), top)
     # int32 entries per request slot: fa3's pages, flashinfer's tokens
     index_len = {FA3: getattr(model_runner.attn_backend, "max_num_pages", None),
-                 FLASHINFER: model_runner.model_config.context_len}.get(backend_kind(model_runner.attn_backend))
+                 FLASHINFER: model_runner.model_config.context_len}[kind]
     if index_len:
         r = min(r, max(1, GRAPH_KV_INDEX_BYTES // (4 * int(index_len))))
     return max(r, math.ceil(top / int(model_runner.model_config.context_len)))
