@@ -24,7 +24,7 @@ import torch
 
 OUT = os.environ.get("OUT", "/tmp")
 HQ, HK, D = 16, 8, 128  # query heads, KV heads and head dim of the Qwen3-0.6B shape
-R, BUCKET = 64, 512  # request slots (SGLang's floor for bcg's graph buckets) and the captured bucket
+R, BUCKET = 64, 512  # request slots (bcg's floor for its graph buckets on flashinfer) and the captured bucket
 PAGES = 70000  # KV cache pages of one token: room for every case's keys
 # Case: (new tokens per request, KV length per request); a KV length above the new tokens is a cached prefix.
 CASES = {"fresh512": ([512], [512]), "fresh16": ([16], [16]), "8x64": ([64] * 8, [64] * 8),

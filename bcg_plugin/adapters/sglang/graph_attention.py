@@ -55,12 +55,12 @@ FA3_UNQUANTIZED_KV = ("auto", "bf16", "bfloat16", "fp16", "float16")
 # r instead. 64 MiB hold 64 request slots at a 256K-token context.
 GRAPH_KV_INDEX_BYTES = 64 << 20
 # The fewest request slots a graph bucket plans for, per backend, where SGLang's own rule
-# (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. On
-# flashinfer every decode of a mixed step is a request too, so a step of a few prompts beside a
-# running batch would otherwise run eagerly that often. fa3 keeps SGLang's rule, as its full graphs
-# do: in the buckets where fa3's heuristic splits KV (the smaller ones; larger ones have query tiles
-# enough to fill the GPU) the split's combine kernel runs over every slot, and 64 slots cost bcg's
-# 512-token bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
+# (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. A step
+# of more requests (every decode of a mixed step is one) replays in a breaking bucket above, or runs
+# eagerly, so flashinfer plans for at least 64. fa3 keeps SGLang's rule, as its full graphs do, and
+# leaves such steps to the breaks: where fa3's heuristic splits KV its combine kernel runs over every
+# slot, and 64 slots cost bcg's 512-token bucket 1.18x the forward GPU time of full's 16
+# (docs/benchmarks.md, SGLang 0.5.23 on fa3).
 MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
 # The largest bucket "auto" keeps attention inside the graph for, per backend. Up to it the host time
 # of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU work, and a
@@ -191,6 +191,7 @@ def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
     from bcg_plugin.adapters.sglang.replay import prefill_graph_config
 
     kind = backend_kind(model_runner.attn_backend)
+    assert kind is not None, "request slots are planned only on a backend whose graph plan bcg uses"
     configured = getattr(prefill_graph_config(model_runner), "full_prefill_max_req", None)
     r = int(configured) if configured else chunk_request_slots(chunk, kind)
     r = min(r, int(model_runner.req_to_token_pool.size), top)
