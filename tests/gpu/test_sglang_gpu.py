@@ -429,12 +429,15 @@ def kept(name: str, run) -> dict:
     """``run()``'s result through JSON, stored in ``BCG_TEST_RESULTS_DIR`` (when set) and reused from there.
 
     Eager engines do not read ``BCG_ATTENTION``, so runs with and without graph attention on one
-    backend share them; full's are named by the buckets they capture (``INSIDE_TOKENS``)."""
+    backend share them; full's are named by the buckets they capture (``INSIDE_TOKENS``), and both
+    bcg's and full's by their request slots where attention stays inside."""
     graph = f"-{ATTENTION}" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
     if graph and VARIANTS and ATTENTION_BACKEND == "flashinfer":  # the one backend with a variant
         graph += "-variants"
     if name.startswith("full") and INSIDE_TOKENS < TOP_BUCKET:
         graph = f"-to{INSIDE_TOKENS}"
+    if GRAPH_ATTENTION and not name.startswith("eager"):
+        graph += f"-slots{SUITE_SLOTS}"
     chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + graph
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
