@@ -43,8 +43,9 @@ buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a
 some buckets to break), without variants, against SGLang's full prefill graphs on fa3 of those
 buckets; ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
 the segment (``sglang-fa3-break``, against eager). Where attention stays inside, the comparison's
-bcg engines and full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold. On a backend whose break stores the KV cache the stale-store control has nothing to
-make stale and is skipped.
+bcg engines and full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold. On a
+backend whose break stores the KV cache the stale-store control has nothing to make stale and is
+skipped.
 
 Several GPUs: ``BCG_TEST_TP`` (tensor parallel) and ``BCG_TEST_DP`` (DP attention, ``dp_size`` with
 ``enable_dp_attention``), with ``BCG_TEST_MODEL`` naming a model of ``bcg_bench.models``.
