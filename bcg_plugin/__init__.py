@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from bcg_plugin.config import BcgConfig
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgError, BcgStateError, BcgVersionError
-from bcg_plugin.hookspecs import HostBatch, StaticInput, hookimpl, plugin_manager
+from bcg_plugin.hookspecs import BREAKING, HostBatch, StaticInput, hookimpl, plugin_manager
 from bcg_plugin.ladder import choose_bucket, reference_ladder, resolve_buckets
 from bcg_plugin.live import LiveBatch
 from bcg_plugin.stats import Fallback, RuntimeStats
@@ -31,7 +31,8 @@ _TORCH_NAMES = {"eager_break": "bcg_plugin.breaks", "default_capture_stream": "b
 __version__ = "0.1.0"
 
 __all__ = [
-    "BcgCaptureError", "BcgCaptureOOM", "BcgConfig", "BcgConfigError", "BcgError", "BcgStateError", "BcgVersionError",
+    "BREAKING", "BcgCaptureError", "BcgCaptureOOM", "BcgConfig", "BcgConfigError", "BcgError", "BcgStateError",
+    "BcgVersionError",
     "Fallback", "HostBatch", "LiveBatch", "PrefillGraphRunner", "RuntimeStats", "StaticInput",
     "choose_bucket", "default_capture_stream", "eager_break", "hookimpl", "plugin_manager", "reference_ladder",
     "resolve_buckets",

@@ -69,13 +69,15 @@ class BcgConfig:
             larger ones break). The choice per bucket is logged with the capture summary and shown
             by ``bcg doctor``.
         graph_variants: also capture the buckets whose attention is inside the graph as the host's
-            variants of them, each serving the steps its attention kernel suits (SGLang with
-            flashinfer 0.7.2 or later: ``fresh``, the ragged prefill without split KV, for steps whose
-            requests have no cached prefix), at one more capture per such bucket; off, each bucket is
-            one graph. The capture summary names the buckets each variant covers. On by default: on
-            SGLang 0.5.23 with flashinfer the variant made the Qwen3-0.6B shape's 16-512-token
-            requests 6-14% faster end to end, for about 1 s more capture and 0.03 GiB more graph
-            memory (docs/benchmarks.md).
+            variants of them, each serving the steps its attention kernel suits, at one more capture
+            per such bucket; off, each bucket is one graph. SGLang with flashinfer 0.7.2 or later:
+            ``fresh``, the ragged prefill without split KV, for steps whose requests have no cached
+            prefix. SGLang with fa3: ``break``, the bucket with attention breaking, for steps of
+            more requests than the bucket's request slots, which without it pad to the next bucket
+            that breaks or run eagerly. The capture summary names the buckets each variant covers.
+            On by default: on SGLang 0.5.23 with flashinfer the ``fresh`` variant made the
+            Qwen3-0.6B shape's 16-512-token requests 6-14% faster end to end, for about 1 s more
+            capture and 0.03 GiB more graph memory (docs/benchmarks.md).
     """
 
     enable: bool = False

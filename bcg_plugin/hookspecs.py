@@ -21,6 +21,12 @@ PROJECT_NAME = "bcg"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
+# The graph variant of a bucket whose attention stays inside the graph that is captured with its
+# attention breaking instead: for the steps the bucket's fixed attention buffers cannot hold (more
+# requests than they were sized for), which would otherwise pad to a larger breaking bucket or run
+# eagerly.
+BREAKING = "break"
+
 
 @dataclasses.dataclass(frozen=True)
 class StaticInput:
@@ -123,9 +129,12 @@ class BcgHostSpec:
         batch the host plans differently (:meth:`bcg_dummy_batch` with ``variant``), for example with
         another attention kernel that serves only some steps; the host picks it per step
         (:meth:`~bcg_plugin.PrefillGraphRunner.replay` with ``variant``) and lands that step's
-        metadata as that variant reads it. Asked once per capture, after :meth:`bcg_graph_attention`,
-        and only where the config's ``graph_variants`` is on (a host makes what its variants need
-        here, not before); the answer must be the same on every rank.
+        metadata as that variant reads it. The variant named :data:`BREAKING` is captured as a
+        bucket whose attention breaks: its capture batch is asked with ``graph_attention=False``, its
+        capturable breaks run eagerly and its padded rows are scrubbed, and the host plans each of
+        its steps as for a breaking bucket. Asked once per capture, after
+        :meth:`bcg_graph_attention`, and only where the config's ``graph_variants`` is on (a host
+        makes what its variants need here, not before); the answer must be the same on every rank.
         """
 
     @hookspec(firstresult=True)
@@ -138,8 +147,9 @@ class BcgHostSpec:
         bucket keeps attention inside the graph (:meth:`bcg_graph_attention`), so the batch's
         attention metadata must live in the buffers every replay of the bucket lands its own in.
         ``variant``: ``None`` for the bucket's graph, else the name of the variant being captured
-        (:meth:`bcg_graph_variants`); a host that names variants takes this argument, without a
-        default (pluggy passes an implementation no argument that has one).
+        (:meth:`bcg_graph_variants`; for :data:`BREAKING`, ``graph_attention`` is ``False``); a host
+        that names variants takes this argument, without a default (pluggy passes an implementation
+        no argument that has one).
         """
 
     @hookspec(firstresult=True)

@@ -11,7 +11,8 @@ The graph only covers the rows a bucket pads when the host picks the smallest bu
 data-parallel rank padded to its peers' bucket) has its rows ``[num_tokens, start)`` zeroed by the
 breaks themselves, as before. A bucket whose attention is captured inline has no eager step left to
 do that, so its graph covers all its rows, ``[0, bucket)``, with flags of its own, for the breaks
-that still run eagerly there; the inline attention itself is not followed by a scrub
+that still run eagerly there (and in its variant with attention breaking, which reads the same
+flags); the inline attention itself is not followed by a scrub
 (:mod:`bcg_plugin.breaks` says why). A bucket of :data:`BREAKS_ZERO_FROM_TOKENS` rows or more whose
 attention breaks scrubs no row in its graph: its breaks zero its padded rows themselves.
 """
@@ -78,24 +79,27 @@ class PaddedRows:
         self._flags = {b: torch.zeros(b, dtype=torch.bool, device=device) if b in whole else self._padded[self._start[b]:b]
                        for b in buckets}
         self._flagged_for = {bucket: bucket for bucket in buckets}  # all zeros: no row padded
-        self._scrubs: dict[int, RowScrub] = {}  # the scrub each bucket's latest capture recorded
+        # The scrubs each bucket's captures recorded: its own graph's and its variants', which read
+        # the same flags (a variant with attention breaking scrubs where the bucket's own graph does not).
+        self._scrubs: dict[int, list[RowScrub]] = {}
 
     def start(self, bucket: int) -> int:
         """First row of ``bucket`` that its graph scrubs; the breaks zero padded rows below it."""
         return self._start[bucket]
 
     def scrub(self, bucket: int) -> RowScrub:
-        """What ``bucket``'s capture records after each break (where the range is empty, only the
-        check of the break's output rows)."""
-        self._scrubs[bucket] = RowScrub(self._start[bucket], bucket, self._flags[bucket])
-        return self._scrubs[bucket]
+        """What a capture of ``bucket`` (its own graph or a variant) records after each break (where
+        the range is empty, only the check of the break's output rows)."""
+        scrub = RowScrub(self._start[bucket], bucket, self._flags[bucket])
+        self._scrubs.setdefault(bucket, []).append(scrub)
+        return scrub
 
     def flag(self, bucket: int, num_tokens: int) -> None:
         """Flag rows ``num_tokens`` and up of ``bucket``'s range as padding, before its replay
-        (nothing to launch where its graph reads no flag, or already reads these)."""
-        scrub = self._scrubs.get(bucket)
+        (nothing to launch where none of its graphs reads a flag, or they already read these)."""
+        scrubs = self._scrubs.get(bucket)
         if (self._start[bucket] == bucket or self._flagged_for[bucket] == num_tokens
-                or (scrub is not None and not scrub.recorded)):
+                or (scrubs and not any(scrub.recorded for scrub in scrubs))):
             return
         torch.ge(self._rows[self._start[bucket]:bucket], num_tokens, out=self._flags[bucket])
         self._flagged_for[bucket] = num_tokens

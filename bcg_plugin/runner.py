@@ -17,7 +17,7 @@ from bcg_plugin.capture import SegmentedGraph, capture_segments, check_torch_ver
 from bcg_plugin.config import BcgConfig
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgError, BcgStateError
-from bcg_plugin.hookspecs import HostBatch, StaticInput
+from bcg_plugin.hookspecs import BREAKING, HostBatch, StaticInput
 from bcg_plugin.ladder import choose_bucket, padding_allows, resolve_buckets
 from bcg_plugin.padding import PaddedRows
 from bcg_plugin.pool import GraphPool, free_device_bytes
@@ -173,11 +173,12 @@ class PrefillGraphRunner:
         pool (the activations every smaller bucket reuses), the static buffers and its own
         segments; each further bucket adds little more than its own segments, which the next
         bucket of its kind samples: a bucket with attention inside the graph is one segment (one
-        more per variant), one with eager breaks a segment per layer, so the largest further bucket
-        of each kind is sampled. What a sample grows the pool by (the first graph-resident
-        attention's buffers, say) is charged once, the rest (at least :data:`MIN_BUCKET_BYTES`) once
-        per bucket of its kind: the extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and
-        agrees on the outcome as in :meth:`capture`. The runner is left as it was and its pool
+        more per variant, a segment per layer for :data:`~bcg_plugin.hookspecs.BREAKING`), one with
+        eager breaks a segment per layer, so the largest further bucket of each kind is sampled.
+        What a sample grows the pool by (the first graph-resident attention's buffers, say) is
+        charged once, the rest (at least :data:`MIN_BUCKET_BYTES`) once per bucket of its kind: the
+        extrapolation vLLM makes for its own graphs. Every rank samples the same buckets and agrees
+        on the outcome as in :meth:`capture`. The runner is left as it was and its pool
         returned to the device, so :meth:`capture` can follow and a host measuring free memory sees
         none of the sample; if the sample fails on any rank the estimate is 0 (logged): it is advice
         for the host, and the capture itself decides later. A failure that leaves the device
@@ -437,7 +438,8 @@ class PrefillGraphRunner:
         graph = None
         staged = world is CaptureStatus.OK
         if staged:
-            graph, world, error = _agreed(lambda: self._capture_bucket(bucket, batch, stream, warm=warm), group)
+            graph, world, error = _agreed(lambda: self._capture_bucket(bucket, batch, stream, warm=warm,
+                                                                       variant=variant), group)
         if world is CaptureStatus.OK:
             return graph
         if graph is not None:
@@ -462,16 +464,20 @@ class PrefillGraphRunner:
 
     def _stage_bucket(self, bucket: int, variant: str | None = None) -> HostBatch:
         """The host's dummy batch for ``bucket`` (or its ``variant``), landed in the static inputs."""
-        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=bucket in self.graph_attention,
+        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=self._inside(bucket, variant),
                                                       variant=variant)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
         self._land(batch, bucket)
         return batch
 
+    def _inside(self, bucket: int, variant: str | None) -> bool:
+        """Whether ``bucket``'s graph (or its ``variant``) is captured with attention inside it."""
+        return bucket in self.graph_attention and variant != BREAKING
+
     def _capture_bucket(self, bucket: int, batch: HostBatch, stream: torch.cuda.Stream, *,
-                        warm: bool = True) -> SegmentedGraph:
-        inline = bucket in self.graph_attention
+                        warm: bool = True, variant: str | None = None) -> SegmentedGraph:
+        inline = self._inside(bucket, variant)
         views = {name: buf[:bucket] for name, buf in self._static.items()}
         forward = self._hook.bcg_body_forward
         with live.bound(live.LiveBatch(bucket, bucket, batch.payload)):
@@ -613,5 +619,6 @@ def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[
     summary = f"attention inside the graph: {sizes(inside)}; eager break: {sizes(broken)}"
     variants = variants or {}
     for name in sorted({n for names in variants.values() for n in names}):
-        summary += f"; also as {name!r}: {sizes([b for b in buckets if name in variants.get(b, ())])}"
+        also = "also with attention breaking" if name == BREAKING else "also as"
+        summary += f"; {also} {name!r}: {sizes([b for b in buckets if name in variants.get(b, ())])}"
     return summary

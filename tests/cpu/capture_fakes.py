@@ -21,8 +21,7 @@ class FakePool:
 
 def script_captures(runner, capture):
     """Replace ``runner``'s staging and capture of one bucket by ``capture(bucket, stream, warm=,
-    variant=)``. The staged batch stands for the variant it was staged for, so the runner's own
-    loop (its votes, retries and drops) passes the variant from one step to the other."""
+    variant=)``; the runner's own loop (its votes, retries and drops) names the variant to both."""
     runner._stage_bucket = lambda bucket, variant=None: variant
-    runner._capture_bucket = lambda bucket, variant, stream, *, warm=True: capture(bucket, stream, warm=warm,
-                                                                                    variant=variant)
+    runner._capture_bucket = lambda bucket, batch, stream, *, warm=True, variant=None: capture(
+        bucket, stream, warm=warm, variant=variant)

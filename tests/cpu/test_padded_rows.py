@@ -243,6 +243,73 @@ def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(
     assert captured == [(0, 32, True), (0, 16, False)]  # the top bucket scrubs below the next bucket too
 
 
+def test_the_breaking_variant_of_a_graph_attention_bucket_is_staged_and_captured_as_a_breaking_bucket(monkeypatch):
+    """``BREAKING``: the dummy batch is asked without graph-resident metadata and the capture runs the
+    capturable breaks eagerly, scrubbing all the bucket's rows, as its own graph's eager breaks would."""
+    import contextlib
+
+    from bcg_plugin import BREAKING, StaticInput, hookimpl
+    from bcg_plugin import runner as runner_mod
+
+    asked, captured = [], []
+
+    class Host:
+        @hookimpl
+        def bcg_graph_attention(self, buckets, attention):
+            return [16, 32]
+
+        @hookimpl
+        def bcg_graph_variants(self, buckets):
+            return {32: [BREAKING]}
+
+        @hookimpl
+        def bcg_static_inputs(self):
+            return {"positions": StaticInput((), torch.int64)}
+
+        @hookimpl
+        def bcg_capture_stream(self):
+            return "capture stream"
+
+        @hookimpl
+        def bcg_dummy_batch(self, num_tokens, graph_attention, variant):
+            asked.append((num_tokens, graph_attention, variant))
+            return HostBatch(num_tokens=num_tokens, inputs={"positions": torch.zeros(num_tokens, dtype=torch.int64)})
+
+    class Pool:
+        allocating = staticmethod(contextlib.nullcontext)
+
+    def capture_segments(fn, *, pool, stream, scrub, inline_breaks):
+        captured.append((scrub.start, scrub.stop, inline_breaks))
+        return "graph", None
+
+    monkeypatch.setattr(runner_mod, "check_torch_version", lambda: None)
+    monkeypatch.setattr(runner_mod, "GraphPool", Pool)
+    monkeypatch.setattr(runner_mod, "capture_segments", capture_segments)
+    config = BcgConfig(enable=True, sizes=(16, 32), graph_variants=True)
+    runner = PrefillGraphRunner(plugin_manager(Host()), config, chunk_size=32, device="cpu")
+    stream = runner._prepare_capture()
+    runner._output = torch.zeros(32, 4)
+    for variant in (None, BREAKING):
+        runner._capture_bucket(32, runner._stage_bucket(32, variant), stream, warm=False, variant=variant)
+    assert asked == [(32, True, None), (32, False, BREAKING)]
+    assert captured == [(0, 32, True), (0, 32, False)]
+
+
+def test_a_bucket_whose_variant_scrubs_is_flagged_whichever_of_its_graphs_was_captured_last():
+    """The breaking variant's eager breaks read the bucket's flags where the bucket's own graph (and
+    a variant with attention inside, captured after it) scrub nothing: a replay must still flag."""
+    rows = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({32}))
+    rows.scrub(32)  # the bucket's own graph: attention inline, no eager break scrubbed
+    rows.scrub(32).apply(torch.zeros(32, 4), "output")  # its breaking variant's break
+    rows.scrub(32)  # a variant with attention inside, captured last
+    rows.flag(32, 5)
+    assert rows._flags[32].tolist() == [False] * 5 + [True] * 27
+    only_inline = PaddedRows(BUCKETS, torch.device("cpu"), whole=frozenset({32}))
+    only_inline.scrub(32)
+    only_inline.flag(32, 5)  # no graph of the bucket reads a flag: nothing to launch
+    assert not only_inline._flags[32].any()
+
+
 def test_a_breaking_bucket_from_breaks_zero_from_tokens_records_no_scrub_and_its_breaks_zero_its_padding(
         fake_capture, recorded_ops):
     """A GPU-bound bucket: no scrub in its graph, which every replay would pay for, a full one too; a

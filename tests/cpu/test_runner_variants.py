@@ -7,7 +7,7 @@ import pytest
 import torch
 from capture_fakes import FakePool, script_captures
 
-from bcg_plugin import BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, plugin_manager
+from bcg_plugin import BREAKING, BcgConfig, BcgStateError, HostBatch, PrefillGraphRunner, plugin_manager
 from bcg_plugin.hookspecs import hookimpl
 from bcg_plugin.runner import attention_summary
 
@@ -166,6 +166,9 @@ def test_the_summary_names_the_buckets_each_variant_covers():
                        "also as 'fresh': 16..32 (2 buckets)")
     assert attention_summary([16, 32], frozenset({16})) == \
         "attention inside the graph: 16 (1 bucket); eager break: 32 (1 bucket)"
+    assert attention_summary([16, 32], frozenset({16, 32}), {32: (BREAKING,)}) == (
+        "attention inside the graph: 16..32 (2 buckets); eager break: none; "
+        "also with attention breaking 'break': 32 (1 bucket)")
 
 
 def test_a_variant_that_fails_to_capture_drops_the_variants_and_the_buckets_still_capture(caplog):

@@ -456,6 +456,8 @@ def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
     assert "'fresh' variant" in attention_scope(BcgConfig())
     assert "'fresh' variant" not in attention_scope(BcgConfig(graph_variants=False))
+    assert "on fa3 in its bucket's 'break' variant" in attention_scope(BcgConfig())
+    assert "'break' variant" not in attention_scope(BcgConfig(graph_variants=False))
     assert attention_scope(BcgConfig(attention="auto")).startswith(
         "inside the graph in buckets up to 512 tokens on SGLang's flashinfer attention backend and up to 1024 on fa3")
     assert attention_scope(BcgConfig(attention="graph")).startswith("inside the graph in every bucket")
@@ -694,9 +696,31 @@ def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_the_small_
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     assert graph.choose([16, 32, 64], "graph") == [16, 32, 64] and graph.request_slots == 4
     assert not hasattr(runner.attn_backend, "full_cg_prefill_wrappers")  # fa3's plan makes its own buffers
-    with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert graph.variants([16, 32, 64]) is None  # one paged kernel for every step: nothing to vary
-    assert "no 'fresh' variant: fa3" in caplog.text
+
+
+def test_fa3_graph_buckets_that_can_hold_more_requests_than_the_slots_are_also_captured_breaking():
+    """fa3 plans SGLang's few request slots: a bucket of more tokens than slots may get a step of more
+    requests, which its breaking variant serves; a bucket of no more tokens than slots never does."""
+    graph = ga.GraphAttention(fa3_runner(), None, 8192, "cpu")
+    graph.choose([16, 32, 64, 1152], "auto")
+    graph.slots.r = 32
+    assert graph.variants([16, 32, 64]) == {64: [ga.BREAKING]}
+    graph.slots.r = 64
+    assert graph.variants([16, 32, 64]) is None
+    flashinfer = ga.GraphAttention(model_runner(max_req=4), None, 8192, "cpu")
+    flashinfer.choose([16, 64], "graph")
+    with pytest.MonkeyPatch.context() as patch:  # flashinfer too old for its fresh variant: none at all
+        patch.setattr(ga.importlib.metadata, "version", lambda name: "0.6.14")
+        assert flashinfer.variants([16, 64]) is None
+
+
+def test_on_fa3_a_step_of_more_requests_than_the_slots_replays_in_its_buckets_breaking_variant():
+    graph = ga.GraphAttention(fa3_runner(), None, 8192, "cpu")
+    graph.choose([16, 64], "graph")
+    captured = tuple(graph.variants([16, 64])[64])
+    assert graph.variant_for(extend([5] * 4, [0] * 4, rows=[1, 2, 3, 4]), captured) is None  # fits the 4 slots
+    assert graph.variant_for(extend([5] * 5, [0] * 5, rows=[1, 2, 3, 4, 5]), captured) == ga.BREAKING
+    assert graph.variant_for(extend([5] * 5, [0] * 5, rows=[1, 2, 3, 4, 5]), ()) is None  # captured without it
 
 
 def test_fa3_capture_makes_sglangs_metadata_for_the_request_slots_and_replays_refill_it_in_place():

@@ -6,6 +6,7 @@ in a fresh interpreter, as SGLang's own spawned schedulers do, so this process s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -412,6 +413,39 @@ def test_a_step_with_more_requests_than_a_graph_buckets_slots_replays_in_the_nex
     assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 32  # padded further, breaking
     assert r.can_run_graph(fake_batch(30, requests=3)) and r._planned[1] == 32  # a breaking bucket takes any count
     assert r.core.stats.fallbacks["feature_not_captured"] == 0
+
+
+def test_a_step_with_more_requests_than_the_slots_stays_in_its_bucket_where_it_has_a_breaking_variant():
+    from bcg_plugin import BREAKING
+
+    r = graph_attention_runner({16}, slots=2)
+    r.core.graph_variants = {16: (BREAKING,)}
+    assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 16
+    r = graph_attention_runner({16, 32, 64}, slots=2)  # "graph": no bucket above breaks
+    r.core.graph_variants = {16: (BREAKING,)}
+    assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 16
+    assert not r.can_run_graph(fake_batch(20, requests=3))  # bucket 32 has no breaking variant
+    assert r.core.stats.fallbacks["feature_not_captured"] == 1
+
+
+def test_a_breaking_variants_replay_plans_attention_as_a_breaking_bucket_does(monkeypatch):
+    """The breaking variant runs the eager plan (its breaks read it), not the graph plan the bucket's
+    own graph reads; the other graphs of a graph bucket plan into their buffers."""
+    from bcg_plugin import BREAKING
+    from bcg_plugin.adapters.sglang import replay
+
+    monkeypatch.setattr(replay, "batch_forward_context", lambda runner, fb: contextlib.nullcontext())
+    r = graph_attention_runner({16}, slots=2)
+    planned = []
+    r.model_runner = types.SimpleNamespace(model=object(), attn_backend=types.SimpleNamespace(
+        init_forward_metadata=lambda fb: planned.append(("eager", fb.batch_size))))
+    r.host.graph.plan_replay = lambda fb, variant=None: planned.append(("graph", variant))
+    fb = fake_batch(12, requests=3)
+    r._plan_attention(fb, 16, BREAKING)
+    r._plan_attention(fb, 16, None)
+    r._plan_attention(fb, 16, "fresh")
+    r._plan_attention(fb, 32, None)
+    assert planned == [("eager", 3), ("graph", None), ("graph", "fresh"), ("eager", 3)]
 
 
 def test_a_step_with_more_requests_than_the_slots_runs_eagerly_where_no_larger_bucket_breaks():

@@ -33,15 +33,17 @@ store slots are read inside the graph. With flashinfer and ``auto`` (``sglang-fl
 it stays inside the buckets up to the adapter's limit, the controls' buckets among them, and
 breaks above; full's graphs then reach that limit only. Under ``auto`` two more engines (eager and
 bcg with ``REROUTE_SLOTS`` request slots) take one wave of more prompts than slots at once: the step
-must replay in the next larger bucket, which breaks, and match eager. By default
+must replay in a graph that breaks (on fa3 with graph variants, its own bucket's ``break`` variant;
+else the next larger bucket) and match eager. By default
 (``graph_variants``) the graph buckets' ``fresh`` variant is captured too (flashinfer 0.7.2 on): steps
 without a cached prefix replay in it, the others in the bucket's own graph, and the check covers
 both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each bucket once. With flashinfer and ``BCG_ATTENTION=break``
 (``sglang-flashinfer-break``) attention breaks and, as on triton, each layer's KV-cache store runs
 in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` keeps attention inside the
 buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a chunk of 2048 for
-some buckets to break), without variants, against SGLang's full prefill graphs on fa3 of those
-buckets; ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
+some buckets to break), against SGLang's full prefill graphs on fa3 of those buckets; by default
+each graph bucket larger than the request slots is also captured as the ``break`` variant, for
+steps of more requests than the slots (which the suite's main workload never sends); ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
 the segment (``sglang-fa3-break``, against eager). Where attention stays inside, the comparison's
 bcg engines and full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold. On a
 backend whose break stores the KV cache the stale-store control has nothing to make stale and is
@@ -433,7 +435,7 @@ def kept(name: str, run) -> dict:
     backend share them; full's are named by the buckets they capture (``INSIDE_TOKENS``), and both
     bcg's and full's by their request slots where attention stays inside."""
     graph = f"-{ATTENTION}" if GRAPH_ATTENTION and not name.startswith(("eager", "full")) else ""
-    if graph and VARIANTS and ATTENTION_BACKEND == "flashinfer":  # the one backend with a variant
+    if graph and VARIANTS:
         graph += "-variants"
     if name.startswith("full") and INSIDE_TOKENS < TOP_BUCKET:
         graph = f"-to{INSIDE_TOKENS}"
@@ -500,10 +502,13 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert problem is None, problem
 
 
-def captured_variants(runs: dict) -> bool:
-    """Whether the bcg engine's capture kept a graph variant of some bucket (on any rank)."""
+def captured_fresh(runs: dict) -> bool:
+    """Whether the bcg engine's capture kept the ``fresh`` variant of some bucket (on any rank)."""
+    from bcg_plugin.adapters.sglang.graph_attention import FRESH
+
     captures = (runs.get("bcg") or {}).get("captures") or []
-    return any(c.get("bcg_graph_variants") for c in captures if c.get("runner") == "BcgPrefillRunner")
+    return any(FRESH in names for c in captures if c.get("runner") == "BcgPrefillRunner"
+               for names in (c.get("bcg_graph_variants") or {}).values())
 
 
 def bcg_capture(runs: dict) -> dict:
@@ -533,15 +538,15 @@ def test_attention_stays_inside_the_graph_where_the_backend_plans_it_there(runs)
 def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_others_in_the_bucket(runs):
     """Graph variants (the default) on flashinfer 0.7.2 on: every graph bucket is also captured as the
     ``fresh`` variant (ragged prefill, no split KV), and the run served both it and the buckets' own
-    graphs (steps on a cached prefix), so the check below covers both. Otherwise no variant."""
+    graphs (steps on a cached prefix), so the check below covers both. Otherwise no such variant."""
     from bcg_plugin.adapters.sglang.graph_attention import FRESH, fresh_decline_reason
 
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
     if not VARIANTS or not inside or ATTENTION_BACKEND != "flashinfer":
-        assert not capture["bcg_graph_variants"]
+        assert not any(FRESH in names for names in capture["bcg_graph_variants"].values())
         pytest.skip("graph variants are off, no bucket keeps attention inside the graph in this run, or the "
-                    "backend has no variant (flashinfer's only)")
+                    "backend has no fresh variant (flashinfer's only)")
     # SGLang's eager ragged wrapper asks flashinfer for "auto" on Hopper: only the version decides
     why_not = fresh_decline_reason(types.SimpleNamespace(prefill_wrapper_ragged=types.SimpleNamespace(
         _requested_backend="auto")))
@@ -553,6 +558,24 @@ def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_other
     fresh = sum(f.get("variant") == FRESH for f in graph_steps)
     print(f"[bcg gpu] {len(graph_steps)} replays in graph-attention buckets, {fresh} of them in the {FRESH!r} variant")
     assert 0 < fresh < len(graph_steps), "the run did not serve both the fresh variant and the buckets' own graphs"
+
+
+def test_on_fa3_the_graph_buckets_larger_than_the_request_slots_are_also_captured_breaking(runs):
+    """Graph variants (the default) on fa3: each graph bucket that can hold a step of more requests
+    than the request slots (``SUITE_SLOTS`` here) is also captured as the ``break`` variant; with
+    variants off, or on flashinfer, none is."""
+    from bcg_plugin import BREAKING
+
+    capture = bcg_capture(runs)
+    inside = capture["bcg_graph_attention_buckets"]
+    breaking = {b: names for b, names in capture["bcg_graph_variants"].items() if BREAKING in names}
+    print(f"[bcg gpu] {ATTENTION_BACKEND}: {len(breaking)} of {len(inside)} graph buckets also captured breaking")
+    if not VARIANTS or not inside or ATTENTION_BACKEND != "fa3":
+        assert not breaking
+        pytest.skip("graph variants are off, no bucket keeps attention inside the graph in this run, or the "
+                    "backend has no breaking variant (fa3's only)")
+    assert breaking == {str(b): [BREAKING] for b in inside if b > SUITE_SLOTS}
+    assert breaking, "no graph bucket is larger than the request slots: the variant went untested"
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
@@ -567,12 +590,12 @@ def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs
 
 def second_references(runs: dict, name: str, against: str = REFERENCE) -> dict[str, list]:
     """Per list of outputs (``results``, ``probes``), what each of run ``name``'s may match instead of
-    ``against``'s: where the bcg engine captured graph variants, against ``full``, eager's, position by
-    position (a step without a cached prefix runs the ``fresh`` variant, eager's ragged prefill, and
-    the others full's paged one; ``full`` against eager differs by up to about TOL, so neither alone
-    is the exact reference); else nothing (``None`` each), so a run whose backend captured no variant
-    (fa3, an older flashinfer) is held to ``full`` alone. The reference's own repeat is held to it alone."""
-    second = (runs["eager"] if captured_variants(runs) and against == REFERENCE != "eager"
+    ``against``'s: where the bcg engine captured the ``fresh`` variant, against ``full``, eager's,
+    position by position (a step without a cached prefix runs that variant, eager's ragged prefill,
+    and the others full's paged one; ``full`` against eager differs by up to about TOL, so neither
+    alone is the exact reference); else nothing (``None`` each), so a run whose backend captured no
+    such variant (fa3, an older flashinfer) is held to ``full`` alone. The reference's own repeat is held to it alone."""
+    second = (runs["eager"] if captured_fresh(runs) and against == REFERENCE != "eager"
               and not name.endswith("_again") else None)
     return {run: second[run] if second is not None else [None] * len(runs[against][run])
             for run in ("results", "probes")}
@@ -642,7 +665,8 @@ def test_stale_store_slots_fail_the_same_check(runs):
 # The suite's workload sends at most 60 requests at once, under SUITE_SLOTS, so this test gives
 # bcg REROUTE_SLOTS through SGLang's own full_prefill_max_req and sends
 # REROUTE_PROMPTS short prompts at once: a step of more requests than slots, in few enough tokens for
-# a bucket that keeps attention inside, which must replay in the next larger bucket that breaks.
+# a bucket that keeps attention inside, which must replay in a graph that breaks: on fa3 with graph
+# variants its bucket's ``break`` variant, else the next larger bucket.
 REROUTE_SLOTS = 4
 REROUTE_PROMPTS = 12
 
@@ -665,17 +689,23 @@ def reroute_runs(checkpoint, runs):
     return {"eager": eager, "bcg": bcg, "spread": runs["spread"]}
 
 
-def test_a_step_with_more_requests_than_the_slots_replays_in_a_breaking_bucket(reroute_runs):
-    """Under ``auto``, a step whose requests outnumber graph attention's request slots replays in the
-    next larger bucket that breaks, not eagerly: a bucket that keeps attention inside cannot hold it,
-    so a replay of it is that reroute. A breaking bucket runs eager's kernels, so it matches eager
-    prefill within the module's tolerance; the module's stale controls show that check can fail."""
+def test_a_step_with_more_requests_than_the_slots_replays_in_a_graph_that_breaks(reroute_runs):
+    """Under ``auto``, a step whose requests outnumber graph attention's request slots replays, not
+    eagerly, in a graph whose attention breaks: on fa3 with graph variants its own bucket's ``break``
+    variant, else the next larger bucket that breaks (a bucket that keeps attention inside cannot
+    hold it, so a replay outside a variant is that reroute). Either runs eager's kernels, so it
+    matches eager prefill within the module's tolerance; the module's stale controls show that
+    check can fail."""
+    from bcg_plugin import BREAKING
+
     forwards = reroute_runs["bcg"]["forwards"]
     rerouted = [f for f in forwards if f["requests"] > REROUTE_SLOTS and f["tokens"] <= INSIDE_TOKENS]
     print(f"[bcg gpu] reroute: {len(rerouted)} steps of more than {REROUTE_SLOTS} requests within "
-          f"{INSIDE_TOKENS} tokens: {[(f['requests'], f['tokens'], f['graph']) for f in rerouted]}")
+          f"{INSIDE_TOKENS} tokens: {[(f['requests'], f['tokens'], f['graph'], f['variant']) for f in rerouted]}")
     assert rerouted, f"no step held more than {REROUTE_SLOTS} requests within {INSIDE_TOKENS} tokens: {forwards}"
     assert all(f["graph"] for f in rerouted), "a step of more requests than the slots ran eagerly"
+    expected = BREAKING if VARIANTS and ATTENTION_BACKEND == "fa3" else None
+    assert all(f["variant"] == expected for f in rerouted), f"expected variant {expected!r}"
     errs = errors(reroute_runs["bcg"]["results"], reroute_runs["eager"]["results"], reroute_runs["spread"])
     print(f"[bcg gpu] reroute against eager: {len(errs)} requests: worst {max(errs):.4f} (x spread)")
     assert max(errs) <= TOL, sorted(errs)[-5:]

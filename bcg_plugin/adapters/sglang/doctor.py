@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bcg_plugin import BREAKING
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
 from bcg_plugin.config import config_env_names
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
@@ -57,12 +58,16 @@ def attention_scope(config: BcgConfig) -> str:
     where = ("every bucket, where SGLang runs the flashinfer or fa3 attention backend" if config.attention == "graph"
              else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS[FLASHINFER]} tokens on SGLang's flashinfer attention "
                   f"backend and up to {AUTO_GRAPH_ATTENTION_TOKENS[FA3]} on fa3 (an eager break in larger ones)")
-    variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a {FRESH!r} "
-                "variant running the ragged prefill for steps without a cached prefix"
-                if config.graph_variants else "")
+    if config.graph_variants:
+        over = (f"replaying on fa3 in its bucket's {BREAKING!r} variant, captured with attention breaking, and on "
+                "flashinfer in the next bucket that breaks, or eagerly")
+        variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a "
+                    f"{FRESH!r} variant running the ragged prefill for steps without a cached prefix")
+    else:
+        over, variants = "replaying in the next bucket that breaks, or eagerly", ""
     return (f"inside the graph in {where}, without DP attention, sliding-window or cross attention, a step holding "
-            "more requests than the buckets were captured for replaying in the next bucket that breaks, or "
-            f"eagerly{variants}; an eager break on other backends; the capture logs its choice by bucket range")
+            f"more requests than the buckets were captured for {over}{variants}; an eager break on other backends; "
+            "the capture logs its choice by bucket range")
 
 
 def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:

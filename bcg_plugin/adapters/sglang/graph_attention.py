@@ -7,8 +7,9 @@ zero-length ones) whose plan (the backend's ``init_forward_metadata_out_graph`` 
 replay the live batch's per-request vectors land in ``r``-long buffers, zeros after its real
 requests, and the same plan refills those wrappers from a view of the batch padded to ``r``: the
 captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
-requests. A step with more requests replays in the next larger bucket that breaks, or where none
-does runs eagerly (counted).
+requests. A step with more requests replays in its bucket's :data:`~bcg_plugin.BREAKING` variant
+where it has one (fa3, with ``graph_variants``), else in the next larger bucket that breaks, or
+where none does runs eagerly (counted).
 
 Its kernels are those of SGLang's full graphs, not eager's (on flashinfer a paged prefill over every
 token where eager runs a ragged one over the new tokens; on fa3 eager's paged kernel over a grid
@@ -21,6 +22,9 @@ With ``graph_variants`` (on by default) every graph bucket is also captured as t
 ragged prefill over the step's own keys and values, as SGLang's eager forward runs it, from a graph
 wrapper planned without split KV. The paged plan keeps split KV on (it is what lets a short step on
 a long prefix spread over the GPU), and in the graph it runs its merge even when nothing was split.
+On fa3, whose request slots are SGLang's few, each graph bucket that can hold more requests than
+them is captured as the :data:`~bcg_plugin.BREAKING` variant instead, attention breaking as in a
+bucket above the limit, for the steps that do.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from typing import Any
 from packaging.version import Version
 
 import torch
+
+from bcg_plugin import BREAKING
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
@@ -58,9 +64,9 @@ GRAPH_KV_INDEX_BYTES = 64 << 20
 # (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. A step
 # of more requests (every decode of a mixed step is one) replays in a breaking bucket above, or runs
 # eagerly, so flashinfer plans for at least 64. fa3 keeps SGLang's rule, as its full graphs do, and
-# leaves such steps to the breaks: where fa3's heuristic splits KV its combine kernel runs over every
-# slot, and 64 slots cost bcg's 512-token bucket 1.18x the forward GPU time of full's 16
-# (docs/benchmarks.md, SGLang 0.5.23 on fa3).
+# leaves such steps to the breaks (its buckets' breaking variant, GraphAttention.variants): where
+# fa3's heuristic splits KV its combine kernel runs over every slot, and 64 slots cost bcg's
+# 512-token bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
 MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
 # The largest bucket "auto" keeps attention inside the graph for, per backend. Up to it the host time
 # of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU work, and a
@@ -312,13 +318,23 @@ class GraphAttention:
         return list(self.buckets)
 
     def variants(self, buckets: list[int]) -> dict[int, list[str]] | None:
-        """The :data:`FRESH` variant for every graph bucket, where the backend allows it. Asked only
-        where the config captures variants, so its wrapper is made here, once."""
+        """The variants graph buckets are also captured as. Asked only where the config captures
+        variants, so what they need is made here, once.
+
+        On flashinfer, :data:`FRESH` for every graph bucket, where the backend allows it. On fa3,
+        :data:`~bcg_plugin.BREAKING` for every graph bucket that can hold a step of more requests
+        than the request slots (more tokens than slots): its slots are SGLang's few (chunk / 512),
+        and such a step would otherwise pad to the next breaking bucket, above
+        :data:`AUTO_GRAPH_ATTENTION_TOKENS`, or run eagerly. flashinfer's 64 slots leave its graph
+        buckets (up to 512 tokens under ``auto``) such steps only of 8 tokens a request or fewer.
+        """
         if self.slots is None:
             return None
+        if self.kind == FA3:
+            breaking = {b: [BREAKING] for b in buckets if b in self.buckets and b > self.slots.r}
+            return breaking or None
         if self.ragged is None:
-            reason = (fresh_decline_reason(self.model_runner.attn_backend) if self.kind == FLASHINFER
-                      else "fa3 runs one paged kernel for every step, with no split to leave out")
+            reason = fresh_decline_reason(self.model_runner.attn_backend)
             if reason is not None:
                 logger.info("bcg: graph buckets have no %r variant: %s", FRESH, reason)
                 return None
@@ -326,9 +342,12 @@ class GraphAttention:
         return {bucket: [FRESH] for bucket in buckets if bucket in self.buckets}
 
     def variant_for(self, fb: Any, captured: tuple[str, ...]) -> str | None:
-        """The graph variant a step replays in, of those its bucket was ``captured`` as: :data:`FRESH`
-        where no request has a cached prefix (a mixed step's decodes have one), else the bucket's own
-        graph (``None``)."""
+        """The graph variant a step replays in, of those its bucket was ``captured`` as:
+        :data:`~bcg_plugin.BREAKING` where the step does not fit the request slots (:meth:`fits`),
+        :data:`FRESH` where no request has a cached prefix (a mixed step's decodes have one), else
+        the bucket's own graph (``None``)."""
+        if BREAKING in captured and not self.fits(fb):
+            return BREAKING
         if FRESH not in captured:
             return None
         prefixes = fb.extend_prefix_lens_cpu

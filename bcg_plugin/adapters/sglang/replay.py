@@ -12,7 +12,7 @@ import contextlib
 import logging
 from typing import Any
 
-from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
+from bcg_plugin import BREAKING, BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.sglang import config, eligibility
 from bcg_plugin.adapters.sglang.attention import step_real_rows
 from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, graph_size_multiple, tp_group
@@ -180,10 +180,12 @@ class BcgPrefillRunner:
             bucket = self.core.bucket_for(len(forward_batch.input_ids))
         if bucket is None:
             return False
-        if bucket in self.core.graph_attention and not self.host.graph.fits(forward_batch):
+        if (bucket in self.core.graph_attention and not self.host.graph.fits(forward_batch)
+                and BREAKING not in self.core.graph_variants.get(bucket, ())):
             # More requests than the bucket's attention was captured for (a mixed step's decodes
-            # count as requests): the next bucket that breaks takes any count. Not under DP
-            # attention (graph attention declines it), so no other rank waits on this one's choice.
+            # count as requests), and no variant of it that breaks: the next bucket that breaks
+            # takes any count. Not under DP attention (graph attention declines it), so no other
+            # rank waits on this one's choice.
             bucket, reason = self._breaking_bucket_above(bucket, len(forward_batch.input_ids))
             if bucket is None:
                 self.core.record_fallback(reason)
@@ -251,7 +253,7 @@ class BcgPrefillRunner:
         if planned is forward_batch and hasattr(self.model_runner.model, "prepare_forward_batch"):
             self.model_runner.model.prepare_forward_batch(forward_batch)
         with batch_forward_context(self.model_runner, planned):
-            if bucket in self.core.graph_attention:  # into the wrappers the bucket's graph reads
+            if bucket in self.core.graph_attention and variant != BREAKING:  # into what the graph reads
                 self.host.graph.plan_replay(planned, variant)
             else:
                 backend.init_forward_metadata(planned)
