@@ -410,8 +410,8 @@ class PrefillGraphRunner:
                          warm: bool) -> SegmentedGraph | None:
         """Capture variant ``name`` of ``bucket`` as :meth:`_capture_agreed` captures a bucket, or, where
         that failed on any rank for a reason other than out of memory, drop every variant on every
-        rank and return ``None``: a variant is a faster graph for some of a bucket's steps, never
-        the only one, so its failure must not leave prefill eager."""
+        rank and return ``None``: a variant serves some of a bucket's steps, which without it replay
+        as they would without variants, so its failure must not leave prefill eager."""
         graph = self._capture_agreed(bucket, stream, group, warm=warm, variant=name)
         if graph is not None:
             return graph

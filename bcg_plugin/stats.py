@@ -37,7 +37,8 @@ class RuntimeStats:
     # shape's 56 buckets x 29 segments on an H200).
     graph_bytes: int = 0
     pool_bytes: int = 0  # the part of graph_bytes in the graphs' memory pool
-    # Buckets whose attention was captured inside the graph: their replays run no eager step at all.
+    # Buckets whose attention was captured inside the graph: their replays run no eager step at all
+    # (except in a BREAKING variant).
     graph_attention_buckets: list[int] = dataclasses.field(default_factory=list)
     # Further graphs of those buckets (the host's variants) and the replays each variant served.
     variant_graphs: int = 0

@@ -12,8 +12,8 @@
 # variants; sglang-flashinfer-one-graph the same without the variants, BCG_GRAPH_VARIANTS=0; sglang-flashinfer-break
 # the same backend with attention breaking, BCG_ATTENTION=break; sglang-fa3 the fa3 backend, SGLang's
 # default on Hopper, with the default BCG_ATTENTION=auto, inside the buckets up to 1024 tokens and
-# breaking above (a chunk of 2048, so that some break), against full graphs of those buckets (fa3
-# has no variant); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full
+# breaking above (a chunk of 2048, so that some break), against full graphs of those buckets, and
+# the graph buckets' break variants (a step of more requests than the slots); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full
 # prefill graphs; sglang-fa3-break fa3 with attention breaking, against eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."

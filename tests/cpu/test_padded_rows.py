@@ -195,9 +195,10 @@ def test_a_bucket_with_attention_in_the_graph_scrubs_all_its_rows_with_flags_of_
     assert rows._padded[32:48].tolist() == [False] * 8 + [True] * 8  # the tiled flags untouched by bucket 32
 
 
-def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(monkeypatch):
-    """The runner's wiring of the host's plan: the dummy batch is asked for graph-resident metadata,
-    the capture records capturable breaks inline, and the bucket's scrub covers all its rows."""
+def _wired_runner(monkeypatch, inside, variants=None):
+    """A runner over a host whose buckets ``inside`` keep attention in the graph (and have
+    ``variants``), set up for capture without a device: ``(runner, stream, asked, captured)``, what
+    the dummy batches were asked for and what each capture recorded inline and scrubbed."""
     import contextlib
 
     from bcg_plugin import StaticInput, hookimpl
@@ -208,59 +209,11 @@ def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(
     class Host:
         @hookimpl
         def bcg_graph_attention(self, buckets, attention):
-            return [32]
-
-        @hookimpl
-        def bcg_static_inputs(self):
-            return {"positions": StaticInput((), torch.int64)}
-
-        @hookimpl
-        def bcg_capture_stream(self):
-            return "capture stream"
-
-        @hookimpl
-        def bcg_dummy_batch(self, num_tokens, graph_attention):
-            asked.append((num_tokens, graph_attention))
-            return HostBatch(num_tokens=num_tokens, inputs={"positions": torch.zeros(num_tokens, dtype=torch.int64)})
-
-    class Pool:
-        allocating = staticmethod(contextlib.nullcontext)
-
-    def capture_segments(fn, *, pool, stream, scrub, inline_breaks):
-        captured.append((scrub.start, scrub.stop, inline_breaks))
-        return "graph", None
-
-    monkeypatch.setattr(runner_mod, "check_torch_version", lambda: None)
-    monkeypatch.setattr(runner_mod, "GraphPool", Pool)
-    monkeypatch.setattr(runner_mod, "capture_segments", capture_segments)
-    runner = PrefillGraphRunner(plugin_manager(Host()), BcgConfig(enable=True, sizes=(16, 32)), chunk_size=32,
-                                device="cpu")
-    stream = runner._prepare_capture()
-    runner._output = torch.zeros(32, 4)
-    for bucket in (32, 16):
-        runner._capture_bucket(bucket, runner._stage_bucket(bucket), stream, warm=False)
-    assert asked == [(32, True), (16, False)]
-    assert captured == [(0, 32, True), (0, 16, False)]  # the top bucket scrubs below the next bucket too
-
-
-def test_the_breaking_variant_of_a_graph_attention_bucket_is_staged_and_captured_as_a_breaking_bucket(monkeypatch):
-    """``BREAKING``: the dummy batch is asked without graph-resident metadata and the capture runs the
-    capturable breaks eagerly, scrubbing all the bucket's rows, as its own graph's eager breaks would."""
-    import contextlib
-
-    from bcg_plugin import BREAKING, StaticInput, hookimpl
-    from bcg_plugin import runner as runner_mod
-
-    asked, captured = [], []
-
-    class Host:
-        @hookimpl
-        def bcg_graph_attention(self, buckets, attention):
-            return [16, 32]
+            return inside
 
         @hookimpl
         def bcg_graph_variants(self, buckets):
-            return {32: [BREAKING]}
+            return variants
 
         @hookimpl
         def bcg_static_inputs(self):
@@ -289,6 +242,25 @@ def test_the_breaking_variant_of_a_graph_attention_bucket_is_staged_and_captured
     runner = PrefillGraphRunner(plugin_manager(Host()), config, chunk_size=32, device="cpu")
     stream = runner._prepare_capture()
     runner._output = torch.zeros(32, 4)
+    return runner, stream, asked, captured
+
+
+def test_a_graph_attention_bucket_is_captured_inline_with_all_its_rows_scrubbed(monkeypatch):
+    """The runner's wiring of the host's plan: the dummy batch is asked for graph-resident metadata,
+    the capture records capturable breaks inline, and the bucket's scrub covers all its rows."""
+    runner, stream, asked, captured = _wired_runner(monkeypatch, inside=[32])
+    for bucket in (32, 16):
+        runner._capture_bucket(bucket, runner._stage_bucket(bucket), stream, warm=False)
+    assert asked == [(32, True, None), (16, False, None)]
+    assert captured == [(0, 32, True), (0, 16, False)]  # the top bucket scrubs below the next bucket too
+
+
+def test_the_breaking_variant_of_a_graph_attention_bucket_is_staged_and_captured_as_a_breaking_bucket(monkeypatch):
+    """``BREAKING``: the dummy batch is asked without graph-resident metadata and the capture runs the
+    capturable breaks eagerly, scrubbing all the bucket's rows, as its own graph's eager breaks would."""
+    from bcg_plugin import BREAKING
+
+    runner, stream, asked, captured = _wired_runner(monkeypatch, inside=[16, 32], variants={32: [BREAKING]})
     for variant in (None, BREAKING):
         runner._capture_bucket(32, runner._stage_bucket(32, variant), stream, warm=False, variant=variant)
     assert asked == [(32, True, None), (32, False, BREAKING)]
