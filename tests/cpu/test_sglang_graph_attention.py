@@ -456,7 +456,7 @@ def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
     assert "'fresh' variant" in attention_scope(BcgConfig())
     assert "'fresh' variant" not in attention_scope(BcgConfig(graph_variants=False))
-    assert "on fa3 in its bucket's 'break' variant" in attention_scope(BcgConfig())
+    assert "on fa3 in the 'break' variant (attention breaking) of its bucket" in attention_scope(BcgConfig())
     assert "'break' variant" not in attention_scope(BcgConfig(graph_variants=False))
     assert attention_scope(BcgConfig(attention="auto")).startswith(
         "inside the graph in buckets up to 512 tokens on SGLang's flashinfer attention backend and up to 1024 on fa3")
@@ -698,13 +698,24 @@ def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_the_small_
     assert not hasattr(runner.attn_backend, "full_cg_prefill_wrappers")  # fa3's plan makes its own buffers
 
 
-def test_fa3_graph_buckets_that_can_hold_more_requests_than_the_slots_are_also_captured_breaking():
+def test_fa3_captures_some_graph_buckets_breaking_too_each_step_of_more_requests_than_slots_in_reach():
     """fa3 plans SGLang's few request slots: a bucket of more tokens than slots may get a step of more
-    requests, which its breaking variant serves; a bucket of no more tokens than slots never does."""
+    requests, which a bucket at most twice its size also captured breaking serves; a bucket of no
+    more tokens than slots never does, and the largest graph bucket always has the variant."""
+    from bcg_plugin.ladder import reference_ladder
+
+    ladder = [b for b in reference_ladder(8192) if b <= 1024]
+    assert ga.breaking_buckets(ladder, 16) == [64, 160, 352, 768, 1024]
+    assert ga.breaking_buckets(ladder, 4) == [32, 96, 224, 480, 1024]
+    for slots in (1, 4, 16, 64, 512):
+        chosen = ga.breaking_buckets(ladder, slots)
+        assert all(any(b <= c <= ga.BREAKING_SPAN * b for c in chosen) for b in ladder if b > slots)
+        assert chosen[-1] == ladder[-1] and min(chosen) > slots
+    assert ga.breaking_buckets(ladder, 1024) == []
     graph = ga.GraphAttention(fa3_runner(), None, 8192, "cpu")
     graph.choose([16, 32, 64, 1152], "auto")
-    graph.slots.r = 32
-    assert graph.variants([16, 32, 64]) == {64: [ga.BREAKING]}
+    graph.slots.r = 16
+    assert graph.variants([16, 32, 64]) == {64: [ga.BREAKING]}  # 32 is within reach of 64
     graph.slots.r = 64
     assert graph.variants([16, 32, 64]) is None
     flashinfer = ga.GraphAttention(model_runner(max_req=4), None, 8192, "cpu")

@@ -415,17 +415,24 @@ def test_a_step_with_more_requests_than_a_graph_buckets_slots_replays_in_the_nex
     assert r.core.stats.fallbacks["feature_not_captured"] == 0
 
 
-def test_a_step_with_more_requests_than_the_slots_stays_in_its_bucket_where_it_has_a_breaking_variant():
+def test_a_step_with_more_requests_than_the_slots_replays_in_the_nearest_bucket_with_a_breaking_variant():
+    """The bucket itself where it has the variant, else the next larger one with it or that breaks."""
     from bcg_plugin import BREAKING
 
-    r = graph_attention_runner({16}, slots=2)
+    r = graph_attention_runner({16, 32}, slots=2)
+    r.core.graph_variants = {32: (BREAKING,)}
+    assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 32  # 16 has none; 32 does
+    assert r.can_run_graph(fake_batch(30, requests=3)) and r._planned[1] == 32
+    assert r.can_run_graph(fake_batch(12, requests=2)) and r._planned[1] == 16  # fits: the bucket's own graph
+    r = graph_attention_runner({16, 32, 64}, slots=2)  # "graph": no bucket breaks
     r.core.graph_variants = {16: (BREAKING,)}
     assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 16
-    r = graph_attention_runner({16, 32, 64}, slots=2)  # "graph": no bucket above breaks
-    r.core.graph_variants = {16: (BREAKING,)}
-    assert r.can_run_graph(fake_batch(12, requests=3)) and r._planned[1] == 16
-    assert not r.can_run_graph(fake_batch(20, requests=3))  # bucket 32 has no breaking variant
+    assert not r.can_run_graph(fake_batch(20, requests=3))  # nothing from bucket 32 up has a breaking graph
     assert r.core.stats.fallbacks["feature_not_captured"] == 1
+    r = graph_attention_runner({16, 32}, slots=2, ratio=2.0)
+    r.core.graph_variants = {32: (BREAKING,)}
+    assert not r.can_run_graph(fake_batch(12, requests=3))  # 32 rows for 12 tokens is past the padding limit
+    assert r.core.stats.fallbacks["padding_ratio"] == 1
 
 
 def test_a_breaking_variants_replay_plans_attention_as_a_breaking_bucket_does(monkeypatch):

@@ -33,8 +33,8 @@ store slots are read inside the graph. With flashinfer and ``auto`` (``sglang-fl
 it stays inside the buckets up to the adapter's limit, the controls' buckets among them, and
 breaks above; full's graphs then reach that limit only. Under ``auto`` two more engines (eager and
 bcg with ``REROUTE_SLOTS`` request slots) take one wave of more prompts than slots at once: the step
-must replay in a graph that breaks (on fa3 with graph variants, its own bucket's ``break`` variant;
-else the next larger bucket) and match eager. By default
+must replay in a graph that breaks (on fa3 with graph variants, the ``break`` variant of its bucket
+or a larger one; else the next larger bucket) and match eager. By default
 (``graph_variants``) the graph buckets' ``fresh`` variant is captured too (flashinfer 0.7.2 on): steps
 without a cached prefix replay in it, the others in the bucket's own graph, and the check covers
 both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each bucket once. With flashinfer and ``BCG_ATTENTION=break``
@@ -42,7 +42,7 @@ both; ``BCG_GRAPH_VARIANTS=0`` (``sglang-flashinfer-one-graph``) captures each b
 in the segment before it. On fa3 (SGLang's default on Hopper) ``auto`` keeps attention inside the
 buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a chunk of 2048 for
 some buckets to break), against SGLang's full prefill graphs on fa3 of those buckets; by default
-each graph bucket larger than the request slots is also captured as the ``break`` variant, for
+some graph buckets larger than the request slots are also captured as the ``break`` variant, for
 steps of more requests than the slots (which the suite's main workload never sends); ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
 the segment (``sglang-fa3-break``, against eager). Where attention stays inside, the comparison's
 bcg engines and full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold. On a
@@ -560,11 +560,12 @@ def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_other
     assert 0 < fresh < len(graph_steps), "the run did not serve both the fresh variant and the buckets' own graphs"
 
 
-def test_on_fa3_the_graph_buckets_larger_than_the_request_slots_are_also_captured_breaking(runs):
-    """Graph variants (the default) on fa3: each graph bucket that can hold a step of more requests
-    than the request slots (``SUITE_SLOTS`` here) is also captured as the ``break`` variant; with
-    variants off, or on flashinfer, none is."""
+def test_on_fa3_graph_buckets_larger_than_the_request_slots_are_also_captured_breaking(runs):
+    """Graph variants (the default) on fa3: the graph buckets the adapter picks so that every one that
+    can hold a step of more requests than the request slots (``SUITE_SLOTS`` here) has one within
+    reach are also captured as the ``break`` variant; with variants off, or on flashinfer, none is."""
     from bcg_plugin import BREAKING
+    from bcg_plugin.adapters.sglang.graph_attention import breaking_buckets
 
     capture = bcg_capture(runs)
     inside = capture["bcg_graph_attention_buckets"]
@@ -574,7 +575,7 @@ def test_on_fa3_the_graph_buckets_larger_than_the_request_slots_are_also_capture
         assert not breaking
         pytest.skip("graph variants are off, no bucket keeps attention inside the graph in this run, or the "
                     "backend has no breaking variant (fa3's only)")
-    assert breaking == {str(b): [BREAKING] for b in inside if b > SUITE_SLOTS}
+    assert breaking == {str(b): [BREAKING] for b in breaking_buckets(inside, SUITE_SLOTS)}
     assert breaking, "no graph bucket is larger than the request slots: the variant went untested"
 
 
@@ -666,7 +667,7 @@ def test_stale_store_slots_fail_the_same_check(runs):
 # bcg REROUTE_SLOTS through SGLang's own full_prefill_max_req and sends
 # REROUTE_PROMPTS short prompts at once: a step of more requests than slots, in few enough tokens for
 # a bucket that keeps attention inside, which must replay in a graph that breaks: on fa3 with graph
-# variants its bucket's ``break`` variant, else the next larger bucket.
+# variants a ``break`` variant (of its bucket or a larger one), else the next larger bucket.
 REROUTE_SLOTS = 4
 REROUTE_PROMPTS = 12
 
@@ -691,9 +692,9 @@ def reroute_runs(checkpoint, runs):
 
 def test_a_step_with_more_requests_than_the_slots_replays_in_a_graph_that_breaks(reroute_runs):
     """Under ``auto``, a step whose requests outnumber graph attention's request slots replays, not
-    eagerly, in a graph whose attention breaks: on fa3 with graph variants its own bucket's ``break``
-    variant, else the next larger bucket that breaks (a bucket that keeps attention inside cannot
-    hold it, so a replay outside a variant is that reroute). Either runs eager's kernels, so it
+    eagerly, in a graph whose attention breaks: on fa3 with graph variants the ``break`` variant of
+    its bucket or a larger one, else the next larger bucket that breaks (a bucket that keeps
+    attention inside cannot hold it, so a replay outside a variant is that reroute). Either runs eager's kernels, so it
     matches eager prefill within the module's tolerance; the module's stale controls show that
     check can fail."""
     from bcg_plugin import BREAKING

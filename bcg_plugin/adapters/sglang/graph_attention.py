@@ -7,9 +7,9 @@ zero-length ones) whose plan (the backend's ``init_forward_metadata_out_graph`` 
 replay the live batch's per-request vectors land in ``r``-long buffers, zeros after its real
 requests, and the same plan refills those wrappers from a view of the batch padded to ``r``: the
 captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
-requests. A step with more requests replays in its bucket's :data:`~bcg_plugin.BREAKING` variant
-where it has one (fa3, with ``graph_variants``), else in the next larger bucket that breaks, or
-where none does runs eagerly (counted).
+requests. A step with more requests replays in the smallest bucket, its own or larger, that has a
+graph whose attention breaks: a bucket's :data:`~bcg_plugin.BREAKING` variant (fa3, with
+``graph_variants``) or a bucket that breaks; where none does it runs eagerly (counted).
 
 Its kernels are those of SGLang's full graphs, not eager's (on flashinfer a paged prefill over every
 token where eager runs a ragged one over the new tokens; on fa3 eager's paged kernel over a grid
@@ -22,9 +22,9 @@ With ``graph_variants`` (on by default) every graph bucket is also captured as t
 ragged prefill over the step's own keys and values, as SGLang's eager forward runs it, from a graph
 wrapper planned without split KV. The paged plan keeps split KV on (it is what lets a short step on
 a long prefix spread over the GPU), and in the graph it runs its merge even when nothing was split.
-On fa3, whose request slots are SGLang's few, each graph bucket that can hold more requests than
-them is captured as the :data:`~bcg_plugin.BREAKING` variant instead, attention breaking as in a
-bucket above the limit, for the steps that do.
+On fa3, whose request slots are SGLang's few, some of the graph buckets that can hold more requests
+than them (:func:`breaking_buckets`) are captured as the :data:`~bcg_plugin.BREAKING` variant
+instead, attention breaking as in a bucket above the limit, for the steps that do.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ GRAPH_KV_INDEX_BYTES = 64 << 20
 # (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. A step
 # of more requests (every decode of a mixed step is one) replays in a breaking bucket above, or runs
 # eagerly, so flashinfer plans for at least 64. fa3 keeps SGLang's rule, as its full graphs do, and
-# leaves such steps to the breaks (its buckets' breaking variant, GraphAttention.variants): where
+# leaves such steps to the breaks (:func:`breaking_buckets`' breaking variants): where
 # fa3's heuristic splits KV its combine kernel runs over every slot, and 64 slots cost bcg's
 # 512-token bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
 MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
@@ -79,6 +79,14 @@ MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
 AUTO_GRAPH_ATTENTION_TOKENS = {FLASHINFER: 512, FA3: 1024}
 # The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
 FRESH = "fresh"
+# How far a fa3 step of more requests than the request slots pads, at most, to reach a bucket also
+# captured breaking (:func:`breaking_buckets`). Such steps are rare and host-bound up to the auto
+# limit, so padding costs them little, and a factor of 2 captures about log2(top / slots) buckets
+# twice, not every one. A breaking capture holds a graph segment per layer: one for each of fa3's 32
+# graph buckets of the Qwen3-0.6B shape would take about 0.13 GiB of driver memory at the rate in
+# RuntimeStats.graph_bytes' note, more than the 0.10 GiB by which bcg's graphs undercut full's there
+# (docs/benchmarks.md, SGLang 0.5.23 on fa3).
+BREAKING_SPAN = 2
 # The first flashinfer whose graph plans mask the captured grid's padded tiles without split KV
 # (its scheduler writes the block-valid mask for every graph plan; earlier ones only for a split
 # one, and a plan without the split re-runs attention over the capture's whole grid).
@@ -176,6 +184,20 @@ def fresh_decline_reason(backend: Any) -> str | None:
     if requested not in FRESH_BACKENDS:
         return f"the backend's ragged prefill runs {requested!r}, whose plan cannot be redone under a graph"
     return None
+
+
+def breaking_buckets(buckets: list[int], slots: int) -> list[int]:
+    """The graph buckets (of ``buckets``) that fa3 also captures as the :data:`~bcg_plugin.BREAKING`
+    variant, for ``slots`` request slots: from the smallest bucket that can hold more requests than
+    the slots (more tokens than slots) up, each time the largest bucket within :data:`BREAKING_SPAN`
+    of the first one not yet covered. Every bucket of more tokens than slots then has one at or
+    above it within that factor, and the largest always is one."""
+    larger = sorted(b for b in buckets if b > slots)
+    chosen: list[int] = []
+    for bucket in larger:
+        if not chosen or bucket > chosen[-1]:
+            chosen.append(max(b for b in larger if b <= BREAKING_SPAN * bucket))
+    return chosen
 
 
 def chunk_request_slots(chunk: int | None, kind: str) -> int:
@@ -322,17 +344,17 @@ class GraphAttention:
         variants, so what they need is made here, once.
 
         On flashinfer, :data:`FRESH` for every graph bucket, where the backend allows it. On fa3,
-        :data:`~bcg_plugin.BREAKING` for every graph bucket that can hold a step of more requests
-        than the request slots (more tokens than slots): its slots are SGLang's few (chunk / 512),
-        and such a step would otherwise pad to the next breaking bucket, above
-        :data:`AUTO_GRAPH_ATTENTION_TOKENS`, or run eagerly. flashinfer's 64 slots leave its graph
-        buckets (up to 512 tokens under ``auto``) such steps only of 8 tokens a request or fewer.
+        :data:`~bcg_plugin.BREAKING` for :func:`breaking_buckets`: fa3's slots are SGLang's few
+        (chunk / 512), and a step of more requests would otherwise pad to the next breaking bucket,
+        above :data:`AUTO_GRAPH_ATTENTION_TOKENS`, or run eagerly. flashinfer's 64 slots leave its
+        graph buckets (up to 512 tokens under ``auto``) such steps only of 8 tokens a request or
+        fewer.
         """
         if self.slots is None:
             return None
         if self.kind == FA3:
-            breaking = {b: [BREAKING] for b in buckets if b in self.buckets and b > self.slots.r}
-            return breaking or None
+            chosen = breaking_buckets([b for b in buckets if b in self.buckets], self.slots.r)
+            return {bucket: [BREAKING] for bucket in chosen} or None
         if self.ragged is None:
             reason = fresh_decline_reason(self.model_runner.attn_backend)
             if reason is not None:

@@ -180,13 +180,11 @@ class BcgPrefillRunner:
             bucket = self.core.bucket_for(len(forward_batch.input_ids))
         if bucket is None:
             return False
-        if (bucket in self.core.graph_attention and not self.host.graph.fits(forward_batch)
-                and BREAKING not in self.core.graph_variants.get(bucket, ())):
+        if bucket in self.core.graph_attention and not self.host.graph.fits(forward_batch):
             # More requests than the bucket's attention was captured for (a mixed step's decodes
-            # count as requests), and no variant of it that breaks: the next bucket that breaks
-            # takes any count. Not under DP attention (graph attention declines it), so no other
-            # rank waits on this one's choice.
-            bucket, reason = self._breaking_bucket_above(bucket, len(forward_batch.input_ids))
+            # count as requests): a graph whose attention breaks takes any count. Not under DP
+            # attention (graph attention declines it), so no other rank waits on this one's choice.
+            bucket, reason = self._breaking_graph_from(bucket, len(forward_batch.input_ids))
             if bucket is None:
                 self.core.record_fallback(reason)
                 return False
@@ -213,10 +211,14 @@ class BcgPrefillRunner:
 
     # -- helpers -------------------------------------------------------------------------------
 
-    def _breaking_bucket_above(self, bucket: int, num_tokens: int) -> tuple[int | None, Fallback | None]:
-        """The smallest bucket above ``bucket`` whose attention breaks, or ``None`` and why not: there
-        is none (every bucket under ``graph``), or the padding limit keeps ``num_tokens`` out of it."""
-        above = [b for b in self.core.buckets if b > bucket and b not in self.core.graph_attention]
+    def _breaking_graph_from(self, bucket: int, num_tokens: int) -> tuple[int | None, Fallback | None]:
+        """The smallest bucket from ``bucket`` up with a graph whose attention breaks (its
+        :data:`~bcg_plugin.BREAKING` variant, which :meth:`execute` then picks, or its own), or
+        ``None`` and why not: there is none (every bucket under ``graph``, without variants), or the
+        padding limit keeps ``num_tokens`` out of it."""
+        core = self.core
+        above = [b for b in core.buckets if b >= bucket
+                 and (b not in core.graph_attention or BREAKING in core.graph_variants.get(b, ()))]
         if not above:
             return None, Fallback.FEATURE_NOT_CAPTURED
         if not padding_allows(above[0], num_tokens, self.core.config.max_padding_ratio):
