@@ -70,7 +70,7 @@ class BcgConfig:
             by ``bcg doctor``.
         graph_variants: also capture the buckets whose attention is inside the graph as the host's
             variants of them, each serving the steps its attention kernel suits, at one more capture
-            per such bucket; off, each bucket is one graph. SGLang with flashinfer 0.7.2 or later:
+            per bucket a variant covers; off, each bucket is one graph. SGLang with flashinfer 0.7.2 or later:
             ``fresh``, the ragged prefill without split KV, for steps whose requests have no cached
             prefix. SGLang with fa3: ``break``, a few buckets with attention breaking, for steps of
             more requests than the request slots, which without it pad to the next bucket that

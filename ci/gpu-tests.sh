@@ -13,7 +13,7 @@
 # the same backend with attention breaking, BCG_ATTENTION=break; sglang-fa3 the fa3 backend, SGLang's
 # default on Hopper, with the default BCG_ATTENTION=auto, inside the buckets up to 1024 tokens and
 # breaking above (a chunk of 2048, so that some break), against full graphs of those buckets, and
-# the graph buckets' break variants (a step of more requests than the slots); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full
+# some graph buckets' break variants (a step of more requests than the slots); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full
 # prefill graphs; sglang-fa3-break fa3 with attention breaking, against eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -169,6 +169,9 @@ def test_the_summary_names_the_buckets_each_variant_covers():
     assert attention_summary([16, 32], frozenset({16, 32}), {32: (BREAKING,)}) == (
         "attention inside the graph: 16..32 (2 buckets); eager break: none; "
         "also with attention breaking 'break': 32 (1 bucket)")
+    # buckets that are not a run of the ladder are named one by one
+    assert attention_summary([16, 32, 48, 64], frozenset({16, 32, 48, 64}), {32: (BREAKING,), 64: (BREAKING,)}) == (
+        "attention inside the graph: 16..64 (4 buckets); eager break: none; also with attention breaking 'break': 32, 64")
 
 
 def test_a_variant_that_fails_to_capture_drops_the_variants_and_the_buckets_still_capture(caplog):

@@ -81,11 +81,12 @@ AUTO_GRAPH_ATTENTION_TOKENS = {FLASHINFER: 512, FA3: 1024}
 FRESH = "fresh"
 # How far a fa3 step of more requests than the request slots pads, at most, to reach a bucket also
 # captured breaking (:func:`breaking_buckets`). Such steps are rare and host-bound up to the auto
-# limit, so padding costs them little, and a factor of 2 captures about log2(top / slots) buckets
-# twice, not every one. A breaking capture holds a graph segment per layer: one for each of fa3's 32
-# graph buckets of the Qwen3-0.6B shape would take about 0.13 GiB of driver memory at the rate in
-# RuntimeStats.graph_bytes' note, more than the 0.10 GiB by which bcg's graphs undercut full's there
-# (docs/benchmarks.md, SGLang 0.5.23 on fa3).
+# limit, so padding costs them little, and a factor of 2 captures about log2 of the graph buckets'
+# span above the slots twice (5 of 31 buckets above 16 slots on the ladder to 1024), not every one.
+# A breaking capture holds a graph segment per layer: one for each of those 31 buckets of the
+# Qwen3-0.6B shape would take about 0.12 GiB of driver memory at the rate in RuntimeStats.graph_bytes'
+# note (an H200), more than the 0.10 GiB by which bcg's graphs undercut full's on fa3 (an H100,
+# docs/benchmarks.md); the 5 take about 0.02 GiB.
 BREAKING_SPAN = 2
 # The first flashinfer whose graph plans mask the captured grid's padded tiles without split KV
 # (its scheduler writes the block-valid mask for every graph plan; earlier ones only for a split
