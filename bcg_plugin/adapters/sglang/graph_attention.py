@@ -64,9 +64,9 @@ GRAPH_KV_INDEX_BYTES = 64 << 20
 # (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. A step
 # of more requests (every decode of a mixed step is one) replays in a breaking bucket above, or runs
 # eagerly, so flashinfer plans for at least 64. fa3 keeps SGLang's rule, as its full graphs do, and
-# leaves such steps to the breaks (:func:`breaking_buckets`' breaking variants): where
-# fa3's heuristic splits KV its combine kernel runs over every slot, and 64 slots cost bcg's
-# 512-token bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
+# leaves such steps to the breaks (the breaking variants of :func:`breaking_buckets`): where fa3's
+# heuristic splits KV its combine kernel runs over every slot, and 64 slots cost bcg's 512-token
+# bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
 MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
 # The largest bucket "auto" keeps attention inside the graph for, per backend. Up to it the host time
 # of the breaks (the backend's Python, once per layer) is not hidden behind the step's GPU work, and a
