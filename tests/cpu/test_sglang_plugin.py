@@ -640,6 +640,26 @@ def test_a_graph_bucket_replays_the_variant_its_step_takes_planned_for_that_vari
     assert real_rows == [(12, 16), (12, 16), (30, 32), (12, 16)]
 
 
+def test_a_step_of_more_requests_than_the_slots_replays_the_breaking_variant_of_the_bucket_it_is_sent_to():
+    """From the vote to the replay: a larger bucket's breaking variant where the step's own bucket has
+    none, its own where it has one; a step that fits replays its bucket's own graph."""
+    from bcg_plugin import BREAKING
+
+    r = graph_attention_runner({16, 32}, slots=2)
+    r.core.graph_variants = {32: (BREAKING,)}
+    r.host.forward_pass = lambda fb, kwargs: None
+    r.host.land_real_rows = lambda num_tokens, bucket: None
+    planned, replayed = [], []
+    r._plan_attention = lambda fb, bucket, variant=None: planned.append((bucket, variant))
+    r.core.replay = lambda bucket, batch, variant=None: replayed.append((bucket, variant))
+    for tokens, requests in ((12, 3), (12, 2), (30, 3)):
+        fb = fake_batch(tokens, requests=requests)
+        fb.positions = fb.out_cache_loc = None
+        assert r.can_run_graph(fb)
+        r.execute(fb)
+    assert planned == replayed == [(32, BREAKING), (16, None), (32, BREAKING)]
+
+
 def test_a_dp_padded_step_lands_its_real_count_for_the_moe_mask_not_its_padded_rows():
     """Under DP attention SGLang pads each rank's step to its peers' bucket before the runner sees it,
     keeping the real count apart (an idle rank's step is all padding): the MoE routing mask reads
