@@ -616,7 +616,7 @@ def attention_summary(buckets: list[int], graph_attention: frozenset[int] | set[
             return f"{group[0]} (1 bucket)"
         start = buckets.index(group[0])
         run = buckets[start:start + len(group)] == group  # else a range would claim the buckets between
-        return f"{group[0]}..{group[-1]} ({len(group)} buckets)" if run else f"{', '.join(map(str, group))}"
+        return f"{group[0]}..{group[-1]} ({len(group)} buckets)" if run else ", ".join(map(str, group))
 
     inside = [b for b in buckets if b in graph_attention]
     broken = [b for b in buckets if b not in graph_attention]
