@@ -4,7 +4,8 @@ The decoder has the shape of a real dense model (Qwen3-0.6B by default: GQA, q/k
 SwiGLU), random bf16 weights and a flat KV cache. Attention is an eager break that writes this
 batch's keys and values into the cache and attends over each sequence's cached context, reading the
 slot mapping, gather index and mask from the live batch: exactly what varies between batches that
-share a token count (prefill, mixed prefill+decode, prefix hits).
+share a token count (prefill, mixed prefill+decode, prefix hits). :class:`GraphToyAdapter` keeps that
+attention inside the graph in some buckets, from metadata buffers fixed per bucket.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 
 from bcg_plugin import live
 from bcg_plugin.breaks import eager_break
-from bcg_plugin.hookspecs import HostBatch, StaticInput, hookimpl
+from bcg_plugin.hookspecs import BREAKING, HostBatch, StaticInput, hookimpl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,7 @@ class AttentionMeta:
     mask: torch.Tensor
 
 
-@eager_break(outputs=("out",))
+@eager_break(outputs=("out",), capturable=True)
 def toy_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
     batch = live.current()
@@ -222,3 +223,74 @@ class ToyAdapter:
     @hookimpl
     def bcg_body_forward(self, inputs: dict[str, torch.Tensor], payload: object) -> torch.Tensor:
         return self.model.body(inputs["inputs_embeds"], inputs["positions"])
+
+
+class GraphToyAdapter(ToyAdapter):
+    """The reference decoder with attention inside the graph in the buckets ``inside``, as an
+    engine's full graphs keep it.
+
+    Each such bucket's attention metadata lives in buffers fixed per bucket, sized for the bucket's
+    rows and ``context`` more key columns (what a host sizes for its most requests and context), and
+    :meth:`land` refills them before every replay. A step whose keys do not fit replays in a bucket
+    that breaks: the ``breaking`` buckets are also captured as the :data:`~bcg_plugin.BREAKING`
+    variant for that.
+    """
+
+    def __init__(self, model: ToyDecoder, *, inside: Sequence[int], context: int, breaking: Sequence[int] = (),
+                 dummy_first_slot: int = 0):
+        super().__init__(model, dummy_first_slot=dummy_first_slot)
+        self.inside, self.context, self.breaking = frozenset(inside), context, tuple(breaking)
+        self._fixed: dict[int, AttentionMeta] = {}
+
+    def fits(self, bucket: int, seqs: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether ``seqs``' keys fit ``bucket``'s fixed metadata."""
+        return sum(ctx + new for _, ctx, new in seqs) <= bucket + self.context
+
+    def fixed_meta(self, bucket: int) -> AttentionMeta:
+        """``bucket``'s fixed metadata buffers, made on first use."""
+        meta = self._fixed.get(bucket)
+        if meta is None:
+            s, device, columns = self.model.shape, self.model.device, bucket + self.context
+            meta = self._fixed[bucket] = AttentionMeta(
+                slot_mapping=torch.zeros(bucket, dtype=torch.int64, device=device),
+                kv_index=torch.zeros(columns * s.q_heads, dtype=torch.int64, device=device),
+                mask=torch.zeros(1, 1, bucket, columns, dtype=self.model.dtype, device=device),
+            )
+        return meta
+
+    def land(self, bucket: int, input_ids: torch.Tensor, seqs: Sequence[tuple[int, int, int]]) -> HostBatch:
+        """``seqs``' batch with its attention metadata written into ``bucket``'s fixed buffers.
+
+        Padded rows write their keys to the dummy slots, as the capture batch's do, and attend to
+        one key only, so that they stay finite; real rows see no column past their batch's keys.
+        """
+        if not self.fits(bucket, seqs):
+            raise ValueError(f"the batch's keys exceed bucket {bucket}'s {bucket + self.context} columns")
+        step, fixed = self.model.attention_meta(seqs), self.fixed_meta(bucket)
+        n, columns = step.slot_mapping.shape[0], step.mask.shape[-1]
+        fixed.slot_mapping[:n].copy_(step.slot_mapping)
+        fixed.slot_mapping[n:].copy_(torch.arange(n, bucket, device=self.model.device) + self.dummy_first_slot)
+        fixed.kv_index.zero_()
+        fixed.kv_index[: step.kv_index.numel()].copy_(step.kv_index)
+        fixed.mask.fill_(-math.inf)
+        fixed.mask[:, :, :n, :columns].copy_(step.mask)
+        fixed.mask[:, :, n:, 0] = 0.0
+        return HostBatch(num_tokens=n, inputs={"input_ids": input_ids, "positions": self.model.positions(seqs)},
+                         payload=fixed)
+
+    @hookimpl
+    def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
+        return [b for b in buckets if b in self.inside]
+
+    @hookimpl
+    def bcg_graph_variants(self, buckets: list[int]) -> dict[int, list[str]] | None:
+        return {b: [BREAKING] for b in self.breaking if b in buckets} or None
+
+    @hookimpl
+    def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool, variant: str | None) -> HostBatch:
+        if not graph_attention:
+            return super().bcg_dummy_batch(num_tokens)
+        ids = torch.ones(num_tokens, dtype=torch.int64, device=self.model.device)
+        batch = self.land(num_tokens, ids, [(self.dummy_first_slot, 0, num_tokens)])
+        batch.inputs["inputs_embeds"] = self.model.embed_ids(ids)
+        return batch

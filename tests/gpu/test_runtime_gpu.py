@@ -19,10 +19,10 @@ from bcg_plugin import BcgCaptureError, BcgCaptureOOM, BcgConfig, Fallback, Pref
 from bcg_plugin import capture as capture_module
 from bcg_plugin.breaks import BreakArgumentHolds, _capture_holds, eager_break
 from bcg_plugin.capture import capture_segments, default_capture_stream
-from bcg_plugin.hookspecs import hookimpl
+from bcg_plugin.hookspecs import BREAKING, HostBatch, hookimpl
 from bcg_plugin.padding import BREAKS_ZERO_FROM_TOKENS
 from bcg_plugin.pool import GraphPool, free_device_bytes
-from bcg_plugin.testing import QWEN3_0_6B, ToyAdapter, ToyDecoder
+from bcg_plugin.testing import QWEN3_0_6B, GraphToyAdapter, ToyAdapter, ToyDecoder
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +30,10 @@ PADDED_REL_TOL = 2e-2  # relative Frobenius error of final hidden states, bf16, 
 TOP = 2048
 FIRST_REAL_SLOT = TOP  # slots [0, TOP) are the capture batches' dummy region
 ESTIMATE_REL_TOL = 0.25  # graph-memory estimate from sampled buckets vs the whole ladder's capture
+GRAPH_SIZES = (16, 32, 64, 128, 256, 512)  # attention inside the graph up to 256 tokens, breaking at 512
+GRAPH_BREAKING = (64, 256)  # graph buckets also captured as the BREAKING variant
+GRAPH_CONTEXT = 1024  # key columns a graph bucket's fixed metadata holds beyond its own rows
+SHORT_CONTEXTS = (40, 60)  # random_mix's longest decode and prefix context: 16 + 4 of them fit GRAPH_CONTEXT
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,15 +65,19 @@ def ladder_runner(model, request):
     runner.close()
 
 
-def random_mix(rng: random.Random, n: int, first_slot: int) -> list[tuple[int, int, int]]:
+def random_mix(rng: random.Random, n: int, first_slot: int,
+               contexts: tuple[int, int] = (300, 500)) -> list[tuple[int, int, int]]:
     """Split ``n`` new tokens into decodes (cached context, one new token) and prefills, some of
-    them with cached context (prefix-cache hits, later chunks)."""
+    them with cached context (prefix-cache hits, later chunks); ``contexts``: the longest context
+    of a decode and of a prefill."""
     decodes = rng.randint(0, min(16, n - 1)) if n > 1 else 0
     left = n - decodes
     cuts = sorted(rng.sample(range(1, left), min(rng.randint(0, 3), left - 1))) if left > 1 else []
     prefills = [b - a for a, b in zip([0, *cuts], [*cuts, left])]
     seqs, slot = [], first_slot
-    for new, ctx in [(1, rng.randint(1, 300)) for _ in range(decodes)] + [(p, rng.choice([0, 0, rng.randint(1, 500)])) for p in prefills]:
+    longest_decode, longest_prefix = contexts
+    for new, ctx in ([(1, rng.randint(1, longest_decode)) for _ in range(decodes)]
+                     + [(p, rng.choice([0, 0, rng.randint(1, longest_prefix)])) for p in prefills]):
         seqs.append((slot, ctx, new))
         slot += ctx + new
     rng.shuffle(seqs)
@@ -125,6 +133,68 @@ def test_same_shape_replay_is_bitwise_and_check_catches_one_flipped_value(model,
     real, padded = ladder_runner.stats.real_tokens, ladder_runner.stats.padded_tokens
     ladder_runner.replay(256, dataclasses.replace(batch, requested_tokens=0))
     assert (ladder_runner.stats.real_tokens, ladder_runner.stats.padded_tokens) == (real, padded + 256)
+
+
+@pytest.fixture(scope="module")
+def graph_runner(model):
+    adapter = GraphToyAdapter(model, inside=GRAPH_SIZES[:-1], context=GRAPH_CONTEXT, breaking=GRAPH_BREAKING)
+    runner = PrefillGraphRunner(plugin_manager(adapter), BcgConfig(enable=True, sizes=GRAPH_SIZES), chunk_size=TOP)
+    runner.capture(progress=False)
+    assert runner.captured and runner.graph_attention == frozenset(GRAPH_SIZES[:-1])
+    assert runner.graph_variants == {b: (BREAKING,) for b in GRAPH_BREAKING}
+    yield adapter, runner
+    runner.close()
+
+
+def test_attention_inside_the_graph_matches_eager_and_fails_with_metadata_not_landed(model, graph_runner):
+    adapter, runner = graph_runner
+    rng = random.Random(2024)
+    torch.manual_seed(2024)
+    counts = [rng.choice(GRAPH_SIZES[:-1]) for _ in range(5)] + [rng.randint(1, GRAPH_SIZES[-2]) for _ in range(20)]
+    worst, stale_caught = 0.0, 0
+    for n in counts:
+        seqs = random_mix(rng, n, FIRST_REAL_SLOT, contexts=SHORT_CONTEXTS)
+        ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
+        ref = model.forward_eager(ids, model.positions(seqs), model.attention_meta(seqs))
+        bucket = runner.bucket_for(n)
+        assert bucket in runner.graph_attention and adapter.fits(bucket, seqs), (n, bucket, seqs)
+        out = runner.replay(bucket, adapter.land(bucket, ids, seqs)).clone()
+        # Never bit for bit: the graph's attention reduces over the bucket's fixed columns.
+        assert matches_eager(out, ref, same_shape=False), (n, bucket, seqs, rel_err(out, ref))
+        worst = max(worst, rel_err(out, ref))
+        # Negative control: the step's inputs landed, its metadata not: the fixed buffers still hold
+        # another step's, as a graph whose persistent metadata is not refreshed would read them.
+        adapter.land(bucket, ids, [(FIRST_REAL_SLOT + 12_000, 50, n)])
+        stale = HostBatch(num_tokens=n, inputs={"input_ids": ids, "positions": model.positions(seqs)},
+                          payload=adapter.fixed_meta(bucket))
+        stale_caught += not matches_eager(runner.replay(bucket, stale).clone(), ref, same_shape=False)
+    print(f"\nattention inside the graph: worst rel err {worst:.2e} (tol {PADDED_REL_TOL})")
+    assert stale_caught == len(counts), f"replays with metadata not landed passed the check: {len(counts) - stale_caught}"
+
+
+def test_a_step_whose_keys_exceed_the_fixed_metadata_replays_in_a_graph_whose_attention_breaks(model, graph_runner):
+    adapter, runner = graph_runner
+    torch.manual_seed(7)
+    # Eight decodes of 200 cached keys each outgrow every graph bucket's columns. 40 tokens: bucket
+    # 64's BREAKING variant; 100: bucket 128 has none, so 256's; 300: bucket 512, which breaks.
+    for n, expected in ((40, 64), (100, 256), (300, 512)):
+        seqs = [(FIRST_REAL_SLOT + 201 * i, 200, 1) for i in range(8)] + [(FIRST_REAL_SLOT + 201 * 8, 0, n - 8)]
+        ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
+        assert not adapter.fits(runner.bucket_for(n), seqs)
+        bucket = min(b for b in runner.buckets if b >= n and (b not in runner.graph_attention
+                                                             or BREAKING in runner.graph_variants.get(b, ())))
+        assert bucket == expected
+        variant = BREAKING if bucket in runner.graph_attention else None
+        ref = model.forward_eager(ids, model.positions(seqs), model.attention_meta(seqs))
+        before = runner.stats.replays_by_variant[BREAKING]
+        out = runner.replay(bucket, adapter.batch(ids, seqs), variant=variant).clone()
+        # A variant that kept attention inside would read the bucket's fixed buffers, not this step.
+        assert matches_eager(out, ref, same_shape=False), (n, bucket, rel_err(out, ref))
+        assert runner.stats.replays_by_variant[BREAKING] - before == (variant is not None)
+        # Negative control: another step's live metadata fails the same check.
+        stale = adapter.batch(ids, seqs)
+        stale.payload = adapter.batch(ids, [(FIRST_REAL_SLOT + 12_000, 50, n)]).payload
+        assert not matches_eager(runner.replay(bucket, stale, variant=variant).clone(), ref, same_shape=False)
 
 
 def test_capture_a_b_then_replay_a_b_a_with_allocator_churn(model):
