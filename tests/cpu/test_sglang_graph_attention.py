@@ -349,8 +349,9 @@ def test_the_fresh_variant_needs_flashinfer_072_and_a_ragged_kernel_whose_plan_c
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     graph.choose([16, 64, 1024], "auto")
     assert graph.ragged is None  # nothing made unless the config asks for variants
+    fresh = [] if why else [ga.FRESH]  # and the break variant of both buckets, above the 4 request slots
     with caplog.at_level(logging.INFO, logger="bcg_plugin.sglang"):
-        assert graph.variants([16, 64]) == (None if why else {16: [ga.FRESH], 64: [ga.FRESH]})
+        assert graph.variants([16, 64]) == {16: [*fresh, ga.BREAKING], 64: [*fresh, ga.BREAKING]}
     assert (graph.ragged is None) == bool(why) and (why is None or why in caplog.text)
 
 
@@ -387,6 +388,7 @@ def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_other
     assert graph.variant_for(batch([9, 7], [0, 3]), captured) is None  # a cached prefix: the paged plan, split KV
     assert graph.variant_for(batch([9, 8], [0, 7]), captured) is None  # a mixed step's decode has one too
     assert graph.variant_for(batch([9, 7], [0, 0]), ()) is None  # a bucket captured without the variant
+    assert graph.variant_for(batch([2] * 5, [0] * 5), captured) == ga.BREAKING  # more requests than the 4 slots
 
 
 def test_a_fresh_replay_plans_the_ragged_prefill_of_its_new_tokens_without_split_kv(monkeypatch):
@@ -439,7 +441,7 @@ def test_the_capture_batch_of_a_variant_says_which_variant_it_was_planned_for(mo
     runner.attn_backend.init_forward_metadata_out_graph = lambda fb, in_capture=False: None
     host = _capture_host(runner)
     assert host.bcg_graph_attention([16, 64], "graph") == [16, 64]
-    assert host.bcg_graph_variants([16, 64]) == {16: [ga.FRESH], 64: [ga.FRESH]}
+    assert host.bcg_graph_variants([16, 64]) == {16: [ga.FRESH, ga.BREAKING], 64: [ga.FRESH, ga.BREAKING]}
     # through pluggy, as the core asks: an implementation gets only the arguments it takes without a default
     from bcg_plugin import plugin_manager
 
@@ -456,7 +458,7 @@ def test_doctor_names_where_attention_runs_for_each_choice():
     assert attention_scope(BcgConfig(attention="break")) == "an eager break in every bucket"
     assert "'fresh' variant" in attention_scope(BcgConfig())
     assert "'fresh' variant" not in attention_scope(BcgConfig(graph_variants=False))
-    assert "on fa3 in the 'break' variant (attention breaking) of its bucket" in attention_scope(BcgConfig())
+    assert "replaying in the 'break' variant (attention breaking) of its bucket" in attention_scope(BcgConfig())
     assert "'break' variant" not in attention_scope(BcgConfig(graph_variants=False))
     assert attention_scope(BcgConfig(attention="auto")).startswith(
         "inside the graph in buckets up to 512 tokens on SGLang's flashinfer attention backend and up to 1024 on fa3")
@@ -698,10 +700,11 @@ def test_on_fa3_graph_keeps_attention_inside_every_bucket_and_auto_in_the_small_
     assert not hasattr(runner.attn_backend, "full_cg_prefill_wrappers")  # fa3's plan makes its own buffers
 
 
-def test_fa3_captures_some_graph_buckets_breaking_too_each_step_of_more_requests_than_slots_in_reach():
-    """fa3 plans SGLang's few request slots: a bucket of more tokens than slots may get a step of more
-    requests, which a bucket at most twice its size also captured breaking serves; a bucket of no
-    more tokens than slots never does, and the largest graph bucket always has the variant."""
+def test_some_graph_buckets_are_captured_breaking_too_each_step_of_more_requests_than_slots_in_reach():
+    """A bucket of more tokens than request slots may get a step of more requests (fa3 plans SGLang's
+    few slots, flashinfer at least 64), which a bucket at most twice its size also captured breaking
+    serves; a bucket of no more tokens than slots never does, and the largest graph bucket always has
+    the variant."""
     from bcg_plugin.ladder import reference_ladder
 
     ladder = [b for b in reference_ladder(8192) if b <= 1024]
@@ -719,10 +722,14 @@ def test_fa3_captures_some_graph_buckets_breaking_too_each_step_of_more_requests
     graph.slots.r = 64
     assert graph.variants([16, 32, 64]) is None
     flashinfer = ga.GraphAttention(model_runner(max_req=4), None, 8192, "cpu")
-    flashinfer.choose([16, 64], "graph")
-    with pytest.MonkeyPatch.context() as patch:  # flashinfer too old for its fresh variant: none at all
+    flashinfer.choose([16, 32, 64], "graph")
+    with pytest.MonkeyPatch.context() as patch:  # flashinfer too old for its fresh variant: the break one only
         patch.setattr(ga.importlib.metadata, "version", lambda name: "0.6.14")
-        assert flashinfer.variants([16, 64]) is None
+        assert flashinfer.variants([16, 32, 64]) == {32: [ga.BREAKING], 64: [ga.BREAKING]}
+    flashinfer.slots.r = 64  # flashinfer's own floor: no graph bucket holds more requests
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ga.importlib.metadata, "version", lambda name: "0.6.14")
+        assert flashinfer.variants([16, 32, 64]) is None
 
 
 def test_on_fa3_a_step_of_more_requests_than_the_slots_replays_in_its_buckets_breaking_variant():

@@ -59,8 +59,8 @@ def attention_scope(config: BcgConfig) -> str:
              else f"buckets up to {AUTO_GRAPH_ATTENTION_TOKENS[FLASHINFER]} tokens on SGLang's flashinfer attention "
                   f"backend and up to {AUTO_GRAPH_ATTENTION_TOKENS[FA3]} on fa3 (an eager break in larger ones)")
     if config.graph_variants:
-        over = (f"replaying on fa3 in the {BREAKING!r} variant (attention breaking) of its bucket or a larger one, "
-                "and on flashinfer in the next bucket that breaks, or eagerly")
+        over = (f"replaying in the {BREAKING!r} variant (attention breaking) of its bucket or a larger one, in a "
+                "larger bucket that breaks, or eagerly")
         variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a "
                     f"{FRESH!r} variant running the ragged prefill for steps without a cached prefix")
     else:

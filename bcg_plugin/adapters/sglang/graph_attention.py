@@ -8,7 +8,7 @@ replay the live batch's per-request vectors land in ``r``-long buffers, zeros af
 requests, and the same plan refills those wrappers from a view of the batch padded to ``r``: the
 captured kernels read only what the plan wrote, so one graph serves any batch mix of up to ``r``
 requests. A step with more requests replays in the smallest bucket, its own or larger, that has a
-graph whose attention breaks: a bucket's :data:`~bcg_plugin.BREAKING` variant (fa3, with
+graph whose attention breaks: a bucket's :data:`~bcg_plugin.BREAKING` variant (with
 ``graph_variants``) or a bucket that breaks; where none does it runs eagerly (counted).
 
 Its kernels are those of SGLang's full graphs, not eager's (on flashinfer a paged prefill over every
@@ -17,14 +17,15 @@ sized for the bucket and its request slots), so its outputs are held to full's, 
 ``attention: graph`` (``BCG_ATTENTION=graph``) keeps attention inside every bucket; ``auto`` keeps it
 inside the buckets up to the backend's :data:`AUTO_GRAPH_ATTENTION_TOKENS`.
 
-With ``graph_variants`` (on by default) every graph bucket is also captured as the variant
-:data:`FRESH`, for steps whose requests have no cached prefix: there attention runs flashinfer's
-ragged prefill over the step's own keys and values, as SGLang's eager forward runs it, from a graph
-wrapper planned without split KV. The paged plan keeps split KV on (it is what lets a short step on
-a long prefix spread over the GPU), and in the graph it runs its merge even when nothing was split.
-On fa3, whose request slots are SGLang's few, some of the graph buckets that can hold more requests
-than them (:func:`breaking_buckets`) are captured as the :data:`~bcg_plugin.BREAKING` variant
-instead, attention breaking as in a bucket above the limit, for the steps that do.
+With ``graph_variants`` (on by default) every flashinfer graph bucket is also captured as the
+variant :data:`FRESH`, for steps whose requests have no cached prefix: there attention runs
+flashinfer's ragged prefill over the step's own keys and values, as SGLang's eager forward runs it,
+from a graph wrapper planned without split KV. The paged plan keeps split KV on (it is what lets a
+short step on a long prefix spread over the GPU), and in the graph it runs its merge even when
+nothing was split. On either backend some of the graph buckets that can hold more requests than the
+slots (:func:`breaking_buckets`) are also captured as the :data:`~bcg_plugin.BREAKING` variant,
+attention breaking as in a bucket above the limit, for the steps that do: fa3's slots are SGLang's
+few, flashinfer's at least 64.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ FA3_UNQUANTIZED_KV = ("auto", "bf16", "bfloat16", "fp16", "float16")
 GRAPH_KV_INDEX_BYTES = 64 << 20
 # The fewest request slots a graph bucket plans for, per backend, where SGLang's own rule
 # (chunked-prefill size / 512, at least 1) gives fewer: 2 at a 1024-token chunk, 16 at 8192. A step
-# of more requests (every decode of a mixed step is one) replays in a breaking bucket above, or runs
-# eagerly, so flashinfer plans for at least 64. fa3 keeps SGLang's rule, as its full graphs do, and
-# leaves such steps to the breaks (the breaking variants of :func:`breaking_buckets`): where fa3's
+# of more requests (every decode of a mixed step is one) replays padded further, in a graph whose
+# attention breaks (:func:`breaking_buckets`), or runs eagerly, so flashinfer plans for at least 64.
+# fa3 keeps SGLang's rule, as its full graphs do, and leaves such steps to the breaks: where fa3's
 # heuristic splits KV its combine kernel runs over every slot, and 64 slots cost bcg's 512-token
 # bucket 1.18x the forward GPU time of full's 16 (docs/benchmarks.md, SGLang 0.5.23 on fa3).
 MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
@@ -79,7 +80,7 @@ MIN_REQUEST_SLOTS = {FLASHINFER: 64, FA3: 1}
 AUTO_GRAPH_ATTENTION_TOKENS = {FLASHINFER: 512, FA3: 1024}
 # The graph variant of a bucket for steps without a cached prefix (ragged prefill, no split KV).
 FRESH = "fresh"
-# How far a fa3 step of more requests than the request slots pads, at most, to reach a bucket also
+# How far a step of more requests than the request slots pads, at most, to reach a bucket also
 # captured breaking (:func:`breaking_buckets`). Such steps are rare and host-bound up to the auto
 # limit, so padding costs them little, and a factor of 2 captures about log2 of the graph buckets'
 # span above the slots twice (5 of 31 buckets above 16 slots on the ladder to 1024), not every one.
@@ -188,8 +189,8 @@ def fresh_decline_reason(backend: Any) -> str | None:
 
 
 def breaking_buckets(buckets: list[int], slots: int) -> list[int]:
-    """The graph buckets (of ``buckets``) that fa3 also captures as the :data:`~bcg_plugin.BREAKING`
-    variant, for ``slots`` request slots: from the smallest bucket that can hold more requests than
+    """The graph buckets (of ``buckets``) also captured as the :data:`~bcg_plugin.BREAKING` variant,
+    for ``slots`` request slots: from the smallest bucket that can hold more requests than
     the slots (more tokens than slots) up, each time the largest bucket within :data:`BREAKING_SPAN`
     of the first one not yet covered. Every bucket of more tokens than slots then has one at or
     above it within that factor, and the largest always is one."""
@@ -344,25 +345,33 @@ class GraphAttention:
         """The variants graph buckets are also captured as. Asked only where the config captures
         variants, so what they need is made here, once.
 
-        On flashinfer, :data:`FRESH` for every graph bucket, where the backend allows it. On fa3,
-        :data:`~bcg_plugin.BREAKING` for :func:`breaking_buckets`: fa3's slots are SGLang's few
-        (chunk / 512), and a step of more requests would otherwise pad to the next breaking bucket,
-        above :data:`AUTO_GRAPH_ATTENTION_TOKENS`, or run eagerly. flashinfer's 64 slots leave its
-        graph buckets (up to 512 tokens under ``auto``) such steps only of 8 tokens a request or
-        fewer.
+        On flashinfer, :data:`FRESH` for every graph bucket, where the backend allows it. On both,
+        :data:`~bcg_plugin.BREAKING` for :func:`breaking_buckets`: a step of more requests than the
+        slots would otherwise pad to the next breaking bucket, above
+        :data:`AUTO_GRAPH_ATTENTION_TOKENS` (none under ``graph``), or run eagerly. fa3's slots are
+        SGLang's few (chunk / 512); flashinfer's at least 64, which leave its graph buckets up to 512
+        tokens such steps only of 8 tokens a request or fewer (every decode of a mixed step is one).
         """
         if self.slots is None:
             return None
-        if self.kind == FA3:
-            chosen = breaking_buckets([b for b in buckets if b in self.buckets], self.slots.r)
-            return {bucket: [BREAKING] for bucket in chosen} or None
+        graph = [b for b in buckets if b in self.buckets]
+        chosen: dict[int, list[str]] = {b: [] for b in graph}
+        if self.kind == FLASHINFER and self._makes_fresh():
+            for bucket in graph:
+                chosen[bucket].append(FRESH)
+        for bucket in breaking_buckets(graph, self.slots.r):
+            chosen[bucket].append(BREAKING)
+        return {bucket: names for bucket, names in chosen.items() if names} or None
+
+    def _makes_fresh(self) -> bool:
+        """Whether graph buckets get the :data:`FRESH` variant, its wrapper made on the first ask."""
         if self.ragged is None:
             reason = fresh_decline_reason(self.model_runner.attn_backend)
             if reason is not None:
                 logger.info("bcg: graph buckets have no %r variant: %s", FRESH, reason)
-                return None
+                return False
             self.ragged = self._ragged_wrapper(self.slots.r)
-        return {bucket: [FRESH] for bucket in buckets if bucket in self.buckets}
+        return True
 
     def variant_for(self, fb: Any, captured: tuple[str, ...]) -> str | None:
         """The graph variant a step replays in, of those its bucket was ``captured`` as:
