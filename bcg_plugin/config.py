@@ -79,7 +79,7 @@ class BcgConfig:
             On by default: on SGLang 0.5.23 with flashinfer the ``fresh`` variant made the
             Qwen3-0.6B shape's 16-512-token requests 6-14% faster end to end, for about 1 s more
             capture and 0.03 GiB more graph memory (docs/benchmarks.md); fa3's five ``break``
-            buckets took about 0.02 GiB on the same shape.
+            buckets take an estimated 0.02 GiB on the same shape.
     """
 
     enable: bool = False

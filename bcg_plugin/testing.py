@@ -264,10 +264,17 @@ class GraphToyAdapter(ToyAdapter):
         Padded rows write their keys to the dummy slots, as the capture batch's do, and attend to
         one key only, so that they stay finite; real rows see no column past their batch's keys.
         """
+        n = sum(new for _, _, new in seqs)
+        if n > bucket:
+            raise ValueError(f"a batch of {n} tokens does not fit bucket {bucket}")
         if not self.fits(bucket, seqs):
             raise ValueError(f"the batch's keys exceed bucket {bucket}'s {bucket + self.context} columns")
+        dummy = range(self.dummy_first_slot, self.dummy_first_slot + bucket)
+        if seqs != [(self.dummy_first_slot, 0, bucket)] and any(
+                first < dummy.stop and first + ctx + new > dummy.start for first, ctx, new in seqs):
+            raise ValueError(f"the batch's slots overlap the padded rows' {dummy}")
         step, fixed = self.model.attention_meta(seqs), self.fixed_meta(bucket)
-        n, columns = step.slot_mapping.shape[0], step.mask.shape[-1]
+        columns = step.mask.shape[-1]
         fixed.slot_mapping[:n].copy_(step.slot_mapping)
         fixed.slot_mapping[n:].copy_(torch.arange(n, bucket, device=self.model.device) + self.dummy_first_slot)
         fixed.kv_index.zero_()

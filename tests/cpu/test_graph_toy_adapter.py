@@ -43,7 +43,9 @@ def test_landed_metadata_gives_the_real_rows_eagers_attention_and_stale_metadata
     assert batch.num_tokens == 13 and batch.payload is adapter.fixed_meta(16)
     out = padded_forward(adapter, 16, ids, batch.inputs["positions"], batch.payload)
     assert torch.allclose(out[:13], ref, rtol=1e-4, atol=1e-4)
-    assert torch.isfinite(out[13:]).all()  # padded rows attend to one key
+    padded = batch.payload.mask[0, 0, 13:]
+    assert ((padded == 0).sum(-1) == 1).all() and (padded[:, 0] == 0).all()  # padded rows attend to one key
+    assert torch.isfinite(out[13:]).all()
     # Negative control: another step's metadata left in the buffers fails the same check.
     adapter.land(16, ids, OTHER)
     stale = padded_forward(adapter, 16, ids, positions, adapter.fixed_meta(16))
@@ -61,12 +63,16 @@ def test_padded_rows_write_their_keys_to_the_dummy_slots_only(adapter):
     assert sorted(changed) == sorted(real + [13, 14, 15])
 
 
-def test_a_step_whose_keys_exceed_the_bucket_is_refused(adapter):
+def test_a_step_that_does_not_fit_the_buckets_buffers_is_refused(adapter):
     assert adapter.fits(16, [(DUMMY_SLOTS, 30, 1), (DUMMY_SLOTS + 40, 0, 9)])  # 40 keys: 16 rows + 24 columns
     wide = [(DUMMY_SLOTS, 40, 1)]  # 41 keys
     assert not adapter.fits(16, wide)
     with pytest.raises(ValueError, match="exceed bucket 16's 40 columns"):
         adapter.land(16, torch.ones(1, dtype=torch.int64), wide)
+    with pytest.raises(ValueError, match="17 tokens does not fit bucket 16"):
+        adapter.land(16, torch.ones(17, dtype=torch.int64), [(DUMMY_SLOTS, 0, 17)])
+    with pytest.raises(ValueError, match="overlap the padded rows"):  # their keys would race the padding's
+        adapter.land(16, torch.ones(2, dtype=torch.int64), [(10, 0, 2)])
 
 
 def test_its_hooks_name_the_inside_buckets_the_breaking_variants_and_plan_the_capture_batch(adapter):

@@ -61,7 +61,7 @@ def attention_scope(config: BcgConfig) -> str:
     if config.graph_variants:
         over = (f"replaying in the {BREAKING!r} variant (attention breaking) of its bucket or a larger one, in a "
                 "larger bucket that breaks, or eagerly")
-        variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is captured twice, a "
+        variants = (f"; with flashinfer {FRESH_MIN_FLASHINFER} or later each such bucket is also captured as a "
                     f"{FRESH!r} variant running the ragged prefill for steps without a cached prefix")
     else:
         over, variants = "replaying in the next bucket that breaks, or eagerly", ""
