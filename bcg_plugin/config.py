@@ -75,10 +75,9 @@ class BcgConfig:
             no cached prefix. SGLang with flashinfer or fa3: ``break``, a few buckets with attention
             breaking, for steps of more requests than the request slots, which without it pad to the
             next bucket that breaks or run eagerly. The capture summary names the buckets each
-            variant covers.
-            On by default: on SGLang 0.5.23 with flashinfer the ``fresh`` variant made the
-            Qwen3-0.6B shape's 16-512-token requests 6-14% faster end to end, for about 1 s more
-            capture and 0.03 GiB more graph memory (docs/benchmarks.md); fa3's five ``break``
+            variant covers. On by default: on SGLang 0.5.23 with flashinfer the ``fresh`` variant
+            made the Qwen3-0.6B shape's 16-512-token requests 6-14% faster end to end, for about 1 s
+            more capture and 0.03 GiB more graph memory (docs/benchmarks.md); fa3's five ``break``
             buckets take an estimated 0.02 GiB on the same shape.
     """
 

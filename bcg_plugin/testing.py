@@ -270,9 +270,12 @@ class GraphToyAdapter(ToyAdapter):
         if not self.fits(bucket, seqs):
             raise ValueError(f"the batch's keys exceed bucket {bucket}'s {bucket + self.context} columns")
         dummy = range(self.dummy_first_slot, self.dummy_first_slot + bucket)
-        if seqs != [(self.dummy_first_slot, 0, bucket)] and any(
-                first < dummy.stop and first + ctx + new > dummy.start for first, ctx, new in seqs):
+        if any(first < dummy.stop and first + ctx + new > dummy.start for first, ctx, new in seqs):
             raise ValueError(f"the batch's slots overlap the padded rows' {dummy}")
+        return self._fill(bucket, input_ids, seqs)
+
+    def _fill(self, bucket: int, input_ids: torch.Tensor, seqs: Sequence[tuple[int, int, int]]) -> HostBatch:
+        n = sum(new for _, _, new in seqs)
         step, fixed = self.model.attention_meta(seqs), self.fixed_meta(bucket)
         columns = step.mask.shape[-1]
         fixed.slot_mapping[:n].copy_(step.slot_mapping)
@@ -298,6 +301,6 @@ class GraphToyAdapter(ToyAdapter):
         if not graph_attention:
             return super().bcg_dummy_batch(num_tokens)
         ids = torch.ones(num_tokens, dtype=torch.int64, device=self.model.device)
-        batch = self.land(num_tokens, ids, [(self.dummy_first_slot, 0, num_tokens)])
+        batch = self._fill(num_tokens, ids, [(self.dummy_first_slot, 0, num_tokens)])  # its keys on the dummy slots
         batch.inputs["inputs_embeds"] = self.model.embed_ids(ids)
         return batch
