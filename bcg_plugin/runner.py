@@ -464,20 +464,28 @@ class PrefillGraphRunner:
 
     def _stage_bucket(self, bucket: int, variant: str | None = None) -> HostBatch:
         """The host's dummy batch for ``bucket`` (or its ``variant``), landed in the static inputs."""
-        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=self._inside(bucket, variant),
+        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=self.attention_inside(bucket, variant),
                                                       variant=variant)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
         self._land(batch, bucket)
         return batch
 
-    def _inside(self, bucket: int, variant: str | None) -> bool:
-        """Whether ``bucket``'s graph (or its ``variant``) is captured with attention inside it."""
+    def attention_inside(self, bucket: int, variant: str | None = None) -> bool:
+        """Whether ``bucket``'s graph (or its ``variant``) is captured with attention inside it: the
+        host lands such a step's attention metadata into the buffers that graph reads, and plans
+        any other for the live break."""
         return bucket in self.graph_attention and variant != BREAKING
+
+    def breaks_attention(self, bucket: int) -> bool:
+        """Whether ``bucket`` has a graph whose attention breaks (its own, or its
+        :data:`~bcg_plugin.hookspecs.BREAKING` variant): one that replays any batch of its token
+        count, whatever the graph-resident metadata was sized for."""
+        return bucket not in self.graph_attention or BREAKING in self.graph_variants.get(bucket, ())
 
     def _capture_bucket(self, bucket: int, batch: HostBatch, stream: torch.cuda.Stream, *,
                         warm: bool = True, variant: str | None = None) -> SegmentedGraph:
-        inline = self._inside(bucket, variant)
+        inline = self.attention_inside(bucket, variant)
         views = {name: buf[:bucket] for name, buf in self._static.items()}
         forward = self._hook.bcg_body_forward
         with live.bound(live.LiveBatch(bucket, bucket, batch.payload)):

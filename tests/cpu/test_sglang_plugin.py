@@ -968,7 +968,8 @@ def planning_runner(planned: list, graph_planned: list | None = None, graph_buck
     r = BcgPrefillRunner.__new__(BcgPrefillRunner)
     r.model_runner = types.SimpleNamespace(attn_backend=types.SimpleNamespace(init_forward_metadata=planned.append),
                                            model=object())
-    r.core = types.SimpleNamespace(graph_attention=graph_buckets)
+    r.core = PrefillGraphRunner.__new__(PrefillGraphRunner)  # the core's own rule of where attention runs
+    r.core.graph_attention, r.core.graph_variants = graph_buckets, {}
     graph_planned = graph_planned if graph_planned is not None else []
     r.host = types.SimpleNamespace(graph=types.SimpleNamespace(
         plan_replay=lambda fb, variant=None: graph_planned.append(fb if variant is None else (fb, variant))))

@@ -181,8 +181,7 @@ def test_a_step_whose_keys_exceed_the_fixed_metadata_replays_in_a_graph_whose_at
         seqs = [(FIRST_REAL_SLOT + 201 * i, 200, 1) for i in range(8)] + [(FIRST_REAL_SLOT + 201 * 8, 0, n - 8)]
         ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
         assert not adapter.fits(runner.bucket_for(n), seqs)
-        bucket = min(b for b in runner.buckets if b >= n and (b not in runner.graph_attention
-                                                             or BREAKING in runner.graph_variants.get(b, ())))
+        bucket = min(b for b in runner.buckets if b >= n and runner.breaks_attention(b))
         assert bucket == expected
         variant = BREAKING if bucket in runner.graph_attention else None
         ref = model.forward_eager(ids, model.positions(seqs), model.attention_meta(seqs))

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from typing import Any
 
-from bcg_plugin import BREAKING, BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
+from bcg_plugin import BcgConfig, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
 from bcg_plugin.adapters.sglang import config, eligibility
 from bcg_plugin.adapters.sglang.attention import step_real_rows
 from bcg_plugin.adapters.sglang.host import SglangHost, batch_forward_context, graph_size_multiple, tp_group
@@ -217,8 +217,7 @@ class BcgPrefillRunner:
         ``None`` and why not: there is none (every bucket under ``graph``, without variants), or the
         padding limit keeps ``num_tokens`` out of it."""
         core = self.core
-        above = [b for b in core.buckets if b >= bucket
-                 and (b not in core.graph_attention or BREAKING in core.graph_variants.get(b, ()))]
+        above = [b for b in core.buckets if b >= bucket and core.breaks_attention(b)]
         if not above:
             return None, Fallback.FEATURE_NOT_CAPTURED
         if not padding_allows(above[0], num_tokens, self.core.config.max_padding_ratio):
@@ -255,7 +254,7 @@ class BcgPrefillRunner:
         if planned is forward_batch and hasattr(self.model_runner.model, "prepare_forward_batch"):
             self.model_runner.model.prepare_forward_batch(forward_batch)
         with batch_forward_context(self.model_runner, planned):
-            if bucket in self.core.graph_attention and variant != BREAKING:  # into what the graph reads
+            if self.core.attention_inside(bucket, variant):  # into what the graph reads
                 self.host.graph.plan_replay(planned, variant)
             else:
                 backend.init_forward_metadata(planned)
