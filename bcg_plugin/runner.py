@@ -464,8 +464,8 @@ class PrefillGraphRunner:
 
     def _stage_bucket(self, bucket: int, variant: str | None = None) -> HostBatch:
         """The host's dummy batch for ``bucket`` (or its ``variant``), landed in the static inputs."""
-        batch: HostBatch = self._hook.bcg_dummy_batch(num_tokens=bucket, graph_attention=self.attention_inside(bucket, variant),
-                                                      variant=variant)
+        batch: HostBatch = self._hook.bcg_dummy_batch(
+            num_tokens=bucket, graph_attention=self.attention_inside(bucket, variant), variant=variant)
         if batch is None or batch.num_tokens != bucket:
             raise BcgStateError(f"bcg_dummy_batch(num_tokens={bucket}) must return a HostBatch of {bucket} rows")
         self._land(batch, bucket)
