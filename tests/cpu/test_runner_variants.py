@@ -116,7 +116,7 @@ def test_the_variant_named_at_replay_is_the_graph_that_runs():
 def test_where_attention_runs_follows_the_bucket_and_the_variant():
     """Inside only in a graph-attention bucket's own graph or non-breaking variant; any batch fits a
     bucket that breaks or has the breaking variant."""
-    runner = _runner(_Host(inside=(16, 32), variants={16: [BREAKING, "fresh"]}), [])
+    runner = _runner(_Host(inside=(16, 32), variants={16: [BREAKING], 32: ["fresh"]}), [])
     runner.capture(progress=False)
     inside = {(b, v): runner.attention_inside(b, v) for b in SIZES for v in (None, "fresh", BREAKING)}
     assert {key for key, yes in inside.items() if yes} == {(16, None), (16, "fresh"), (32, None), (32, "fresh")}
