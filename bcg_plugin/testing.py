@@ -272,12 +272,13 @@ class GraphToyAdapter(ToyAdapter):
         dummy = range(self.dummy_first_slot, self.dummy_first_slot + bucket)
         if any(first < dummy.stop and first + ctx + new > dummy.start for first, ctx, new in seqs):
             raise ValueError(f"the batch's slots overlap the padded rows' {dummy}")
-        return self._fill(bucket, input_ids, seqs)
+        batch = self.batch(input_ids, seqs)
+        batch.payload = self._fill(bucket, batch.payload)
+        return batch
 
-    def _fill(self, bucket: int, input_ids: torch.Tensor, seqs: Sequence[tuple[int, int, int]]) -> HostBatch:
-        n = sum(new for _, _, new in seqs)
-        step, fixed = self.model.attention_meta(seqs), self.fixed_meta(bucket)
-        columns = step.mask.shape[-1]
+    def _fill(self, bucket: int, step: AttentionMeta) -> AttentionMeta:
+        """``bucket``'s fixed buffers, holding ``step``'s metadata and the padded rows'."""
+        fixed, n, columns = self.fixed_meta(bucket), step.slot_mapping.numel(), step.mask.shape[-1]
         fixed.slot_mapping[:n].copy_(step.slot_mapping)
         fixed.slot_mapping[n:].copy_(torch.arange(n, bucket, device=self.model.device) + self.dummy_first_slot)
         fixed.kv_index.zero_()
@@ -285,8 +286,7 @@ class GraphToyAdapter(ToyAdapter):
         fixed.mask.fill_(-math.inf)
         fixed.mask[:, :, :n, :columns].copy_(step.mask)
         fixed.mask[:, :, n:, 0] = 0.0
-        return HostBatch(num_tokens=n, inputs={"input_ids": input_ids, "positions": self.model.positions(seqs)},
-                         payload=fixed)
+        return fixed
 
     @hookimpl
     def bcg_graph_attention(self, buckets: list[int], attention: str) -> list[int] | None:
@@ -298,9 +298,7 @@ class GraphToyAdapter(ToyAdapter):
 
     @hookimpl
     def bcg_dummy_batch(self, num_tokens: int, graph_attention: bool, variant: str | None) -> HostBatch:
-        if not graph_attention:
-            return super().bcg_dummy_batch(num_tokens)
-        ids = torch.ones(num_tokens, dtype=torch.int64, device=self.model.device)
-        batch = self._fill(num_tokens, ids, [(self.dummy_first_slot, 0, num_tokens)])  # its keys on the dummy slots
-        batch.inputs["inputs_embeds"] = self.model.embed_ids(ids)
+        batch = super().bcg_dummy_batch(num_tokens)  # its keys on the dummy slots
+        if graph_attention:
+            batch.payload = self._fill(num_tokens, batch.payload)
         return batch
