@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suites, on a machine with a CUDA device and the host engine importable (CI has no GPU, so
-# these run by hand; GIT_COMMIT names the commit where the tree has no git). Each suite's output goes to LOGDIR/<suite>.log, headed by what ran where.
+# these run by hand; GIT_COMMIT names the commit where the tree has no git). Each suite's output
+# goes to LOGDIR/<suite>.log, headed by what ran where.
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
 #   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer,
 #           sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3,
@@ -9,12 +10,13 @@
 # backend with attention inside bcg's graphs, BCG_ATTENTION=graph, against SGLang's own full prefill
 # graphs; sglang-flashinfer-auto the same backend with the defaults, BCG_ATTENTION=auto, inside the
 # small buckets and breaking above, against full graphs of those buckets, and the graph buckets'
-# variants; sglang-flashinfer-one-graph the same without the variants, BCG_GRAPH_VARIANTS=0; sglang-flashinfer-break
-# the same backend with attention breaking, BCG_ATTENTION=break; sglang-fa3 the fa3 backend, SGLang's
-# default on Hopper, with the default BCG_ATTENTION=auto, inside the buckets up to 1024 tokens and
-# breaking above (a chunk of 2048, so that some break), against full graphs of those buckets, and
-# some graph buckets' break variants (a step of more requests than the slots); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full
-# prefill graphs; sglang-fa3-break fa3 with attention breaking, against eager)
+# variants; sglang-flashinfer-one-graph the same without the variants, BCG_GRAPH_VARIANTS=0;
+# sglang-flashinfer-break the same backend with attention breaking, BCG_ATTENTION=break; sglang-fa3
+# the fa3 backend, SGLang's default on Hopper, with the default BCG_ATTENTION=auto, inside the
+# buckets up to 1024 tokens and breaking above (a chunk of 2048, so that some break), against full
+# graphs of those buckets, and some graph buckets' break variants (a step of more requests than the
+# slots); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full prefill
+# graphs; sglang-fa3-break fa3 with attention breaking, against eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
