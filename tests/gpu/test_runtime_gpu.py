@@ -27,6 +27,10 @@ from bcg_plugin.testing import QWEN3_0_6B, GraphToyAdapter, ToyAdapter, ToyDecod
 pytestmark = pytest.mark.gpu
 
 PADDED_REL_TOL = 2e-2  # relative Frobenius error of final hidden states, bf16, padded replay vs eager
+# The same with attention inside the graph: its softmax also reduces over the bucket's fixed key
+# columns, masked, which reorders every layer's sums; in bf16 that alone moves the reference
+# decoder's final states by up to about 2e-2, and metadata not landed by about 1 (the test prints both).
+GRAPH_REL_TOL = 5e-2
 TOP = 2048
 FIRST_REAL_SLOT = TOP  # slots [0, TOP) are the capture batches' dummy region
 ESTIMATE_REL_TOL = 0.25  # graph-memory estimate from sampled buckets vs the whole ladder's capture
@@ -40,11 +44,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def matches_eager(out: torch.Tensor, ref: torch.Tensor, same_shape: bool) -> bool:
+def matches_eager(out: torch.Tensor, ref: torch.Tensor, same_shape: bool, tol: float = PADDED_REL_TOL) -> bool:
     """The correctness check every test uses (and the negative controls show can fail)."""
     if same_shape:
         return torch.equal(out, ref)
-    return bool(torch.isfinite(out).all()) and rel_err(out, ref) <= PADDED_REL_TOL
+    return bool(torch.isfinite(out).all()) and rel_err(out, ref) <= tol
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +155,7 @@ def test_attention_inside_the_graph_matches_eager_and_fails_with_metadata_not_la
     rng = random.Random(2024)
     torch.manual_seed(2024)
     counts = [rng.choice(GRAPH_SIZES[:-1]) for _ in range(5)] + [rng.randint(1, GRAPH_SIZES[-2]) for _ in range(20)]
-    worst, stale_caught = 0.0, 0
+    worst, stale_errs, stale_caught = 0.0, [], 0
     for n in counts:
         seqs = random_mix(rng, n, FIRST_REAL_SLOT, contexts=SHORT_CONTEXTS)
         ids = torch.randint(0, model.shape.vocab, (n,), device="cuda")
@@ -160,15 +164,18 @@ def test_attention_inside_the_graph_matches_eager_and_fails_with_metadata_not_la
         assert bucket in runner.graph_attention and adapter.fits(bucket, seqs), (n, bucket, seqs)
         out = runner.replay(bucket, adapter.land(bucket, ids, seqs)).clone()
         # Never bit for bit: the graph's attention reduces over the bucket's fixed columns.
-        assert matches_eager(out, ref, same_shape=False), (n, bucket, seqs, rel_err(out, ref))
+        assert matches_eager(out, ref, False, GRAPH_REL_TOL), (n, bucket, seqs, rel_err(out, ref))
         worst = max(worst, rel_err(out, ref))
         # Negative control: the step's inputs landed, its metadata not: the fixed buffers still hold
         # another step's, as a graph whose persistent metadata is not refreshed would read them.
         adapter.land(bucket, ids, [(FIRST_REAL_SLOT + 12_000, 50, n)])
         stale = HostBatch(num_tokens=n, inputs={"input_ids": ids, "positions": model.positions(seqs)},
                           payload=adapter.fixed_meta(bucket))
-        stale_caught += not matches_eager(runner.replay(bucket, stale).clone(), ref, same_shape=False)
-    print(f"\nattention inside the graph: worst rel err {worst:.2e} (tol {PADDED_REL_TOL})")
+        stale_out = runner.replay(bucket, stale).clone()
+        stale_errs.append(rel_err(stale_out, ref))
+        stale_caught += not matches_eager(stale_out, ref, False, GRAPH_REL_TOL)
+    print(f"\nattention inside the graph: worst rel err {worst:.2e} (tol {GRAPH_REL_TOL}); "
+          f"metadata not landed: min rel err {min(stale_errs):.2e}")
     assert stale_caught == len(counts), f"replays with metadata not landed passed the check: {len(counts) - stale_caught}"
 
 
