@@ -399,26 +399,26 @@ class PrefillGraphRunner:
             inside_warmed.add(inside)
             for name in self.graph_variants.get(bucket, ()):
                 graph = self._capture_variant(bucket, name, stream, group, warm=name not in warmed or every)
-                if graph is None:
-                    break
-                self._variant_graphs[(bucket, name)] = graph
-                warmed.add(name)
+                if graph is not None:
+                    self._variant_graphs[(bucket, name)] = graph
+                    warmed.add(name)
             if after_each is not None:
                 after_each()
 
     def _capture_variant(self, bucket: int, name: str, stream: torch.cuda.Stream, group: Any, *,
                          warm: bool) -> SegmentedGraph | None:
         """Capture variant ``name`` of ``bucket`` as :meth:`_capture_agreed` captures a bucket, or, where
-        that failed on any rank for a reason other than out of memory, drop every variant on every
-        rank and return ``None``: a variant serves some of a bucket's steps, which without it replay
-        as they would without variants, so its failure must not leave prefill eager."""
+        that failed on any rank for a reason other than out of memory, drop variant ``name`` from
+        every bucket on every rank and return ``None``: a variant serves some of a bucket's steps,
+        which without it replay as they would without that variant, so its failure must not leave
+        prefill eager. Another variant plans another kernel (or none, :data:`BREAKING`), so it stays."""
         graph = self._capture_agreed(bucket, stream, group, warm=warm, variant=name)
         if graph is not None:
             return graph
-        for captured in self._variant_graphs.values():
-            captured.release()
-        self._variant_graphs.clear()
-        self.graph_variants = {}
+        for key in [key for key in self._variant_graphs if key[1] == name]:
+            self._variant_graphs.pop(key).release()
+        kept = {b: tuple(n for n in names if n != name) for b, names in self.graph_variants.items()}
+        self.graph_variants = {b: names for b, names in kept.items() if names}
         return None
 
     def _capture_agreed(self, bucket: int, stream: torch.cuda.Stream, group: Any, *, warm: bool,
@@ -455,8 +455,9 @@ class PrefillGraphRunner:
                     logger.info("bcg: bucket %d%s did not capture without a warm-up (%s); recapturing it after one",
                                 bucket, "" if variant is None else f" (variant {variant!r})", why)
                     return self._capture_agreed(bucket, stream, group, warm=True, variant=variant)
-                logger.warning("bcg: graph variant %r of bucket %d did not capture (%s); every rank drops the graph "
-                               "variants, and the buckets' own graphs serve their steps", variant, bucket, why)
+                logger.warning("bcg: graph variant %r of bucket %d did not capture (%s); every rank drops that "
+                               "variant from every bucket, and the steps it would serve replay as without it",
+                               variant, bucket, why)
                 return None
         if error is not None:
             raise error

@@ -201,6 +201,27 @@ def test_a_variant_that_fails_to_capture_drops_the_variants_and_the_buckets_stil
         runner.replay(16, HostBatch(num_tokens=9, inputs={}), "fresh")
 
 
+def test_a_variant_that_fails_to_capture_is_dropped_from_every_bucket_and_the_other_variant_still_captures(caplog):
+    log = []
+    both = ["fresh", BREAKING]
+    runner = _replayable(_runner(_Host(variants={16: both, 32: both}), log,
+                                 BcgConfig(enable=True, sizes=SIZES, warmup="first_bucket", graph_variants=True),
+                                 fails=((16, "fresh"), RuntimeError("plan refused"))))
+    with caplog.at_level("WARNING", logger="bcg_plugin"):
+        runner.capture(progress=False)
+    assert runner.captured and runner.stats.buckets_captured == 3
+    assert runner.graph_variants == {16: (BREAKING,), 32: (BREAKING,)} and runner.stats.variant_graphs == 2
+    assert ("release", (32, "fresh")) in log and ("release", (32, BREAKING)) not in log
+    assert [entry[1:] for entry in log if entry[0] == "capture"][-3:] == [
+        (16, "fresh", False), (16, "fresh", True), (16, BREAKING, False)]  # after the drop, as before it
+    assert "drops that variant from every bucket" in caplog.text
+    assert runner.breaks_attention(16) and runner.breaks_attention(32)  # steps too many for the slots still replay
+    runner.replay(16, HostBatch(num_tokens=9, inputs={}), BREAKING)
+    assert log[-1] == ("replay", (16, BREAKING))
+    with pytest.raises(BcgStateError, match="bucket 32 has no graph variant 'fresh'"):
+        runner.replay(32, HostBatch(num_tokens=9, inputs={}), "fresh")
+
+
 def test_a_variant_that_runs_out_of_memory_still_fails_the_boot():
     from bcg_plugin import BcgCaptureOOM
 

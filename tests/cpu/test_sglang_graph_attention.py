@@ -367,13 +367,18 @@ def test_a_graph_bucket_serves_extend_and_mixed_steps_only(mode, fits):
     assert not graph.fits(batch([1] * 9, [0] * 9))  # more requests than the slots
 
 
-def test_releasing_the_variants_gives_back_the_ragged_wrapper_and_keeps_the_buckets_plan(monkeypatch):
+@pytest.mark.parametrize("kept", [{}, {64: (ga.BREAKING,)}])
+def test_releasing_the_variants_no_bucket_kept_fresh_gives_back_the_ragged_wrapper_and_keeps_the_buckets_plan(
+        monkeypatch, kept):
     runner = fresh_runner(monkeypatch)
     graph = ga.GraphAttention(runner, None, 8192, "cpu")
     graph.choose([16, 64], "graph")
     graph.variants([16, 64])
     wrappers = runner.attn_backend.full_cg_prefill_wrappers
-    graph.release_variants()
+    ragged = graph.ragged
+    graph.release_variants({16: (ga.FRESH,), 64: (ga.FRESH, ga.BREAKING)})  # every variant kept
+    assert graph.ragged is ragged is not None
+    graph.release_variants(kept)
     assert graph.ragged is None
     assert runner.attn_backend.full_cg_prefill_wrappers is wrappers and graph.request_slots > 0
     assert graph.fits(batch([9, 7], [0, 0]))
@@ -527,7 +532,7 @@ def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), 
 
     host = types.SimpleNamespace(stored_in_graph={99}, released=[])  # a layer left from an earlier capture
     host.graph = types.SimpleNamespace(release=lambda: host.released.append("all"),
-                                       release_variants=lambda: host.released.append("variants"))
+                                       release_variants=lambda kept: host.released.append(("variants", kept)))
 
     class Core:
         def __init__(self, *args, **kwargs):
@@ -554,13 +559,13 @@ def _capture_runner(monkeypatch, *, captured=True, first_rank=False, stored=(), 
 
 @pytest.mark.parametrize("captured", [False, True])
 def test_the_runner_gives_the_graph_buckets_memory_back_when_its_capture_failed(monkeypatch, captured):
-    released = _capture_runner(monkeypatch, captured=captured, variants={16: ["fresh"]}).released
-    assert released == ([] if captured else ["all"])
+    released = _capture_runner(monkeypatch, captured=captured, variants={16: ("fresh",)}).released
+    assert released == ([("variants", {16: ("fresh",)})] if captured else ["all"])
 
 
-def test_the_runner_gives_the_variants_wrapper_back_where_the_core_kept_no_variant(monkeypatch):
-    assert _capture_runner(monkeypatch, graph=[16], variants={}).released == ["variants"]
-    assert _capture_runner(monkeypatch, graph=[16], variants={16: ["fresh"]}).released == []
+@pytest.mark.parametrize("kept", [{}, {16: (ga.BREAKING,)}, {16: ("fresh", ga.BREAKING)}])
+def test_after_its_capture_the_runner_hands_graph_attention_the_variants_the_core_kept(monkeypatch, kept):
+    assert _capture_runner(monkeypatch, graph=[16], variants=kept).released == [("variants", kept)]
 
 
 @pytest.mark.parametrize("stored, graph, says", [

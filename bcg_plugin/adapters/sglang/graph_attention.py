@@ -401,10 +401,11 @@ class GraphAttention:
             backend=backend.prefill_wrapper_ragged._requested_backend,
         )
 
-    def release_variants(self) -> None:
-        """Give back the :data:`FRESH` variant's wrapper, where the core captured no variant (they
-        failed to capture and every rank dropped them): no step will plan into it."""
-        self.ragged = None
+    def release_variants(self, kept: dict[int, tuple[str, ...]]) -> None:
+        """Give back the :data:`FRESH` variant's wrapper where no bucket ``kept`` it (the core's
+        captured variants: one that failed to capture, every rank dropped): no step will plan into it."""
+        if not any(FRESH in names for names in kept.values()):
+            self.ragged = None
 
     def release(self) -> None:
         """Give back the wrappers (flashinfer) or metadata buffers (fa3), the workspace and the request

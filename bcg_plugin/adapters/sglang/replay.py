@@ -69,8 +69,7 @@ class BcgPrefillRunner:
         if self.core.captured:
             # SGLang's DP MAX_LEN padding compares against this list: keep it equal to bcg's ladder.
             prefill.bs = list(self.core.buckets)
-            if not self.core.graph_variants:
-                host.graph.release_variants()
+            host.graph.release_variants(self.core.graph_variants)
             if _first_tp_rank(model_runner):
                 logger.info("%s", store_summary(len(host.stored_in_graph), len(model_runner.attention_layers),
                                                 len(self.core.graph_attention), len(self.core.buckets)))
