@@ -334,7 +334,8 @@ def to_markdown(result: dict, images: list[str] = ()) -> str:
                   "`replaced`, out of every table above): " + ", ".join(
                       f"{d['mode']} (round {d['round']}, probe {d['host_speed']['probe_us']:.0f} µs)"
                       for d in result["replaced"]) + ".", ""]
-    lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"))
+    lines += targets.markdown(result["engine"], good, result["model"]["name"], result.get("parallel"),
+                              result.get("gpu"))
     lines += profile.markdown(good)
     # Columns shown where some mode recorded them. bcg's own buckets only on vLLM, whose bcg mode keeps
     # vLLM's decode graphs beside them.

@@ -83,6 +83,7 @@ def _per_bucket(modes: dict, mode: str) -> float | None:
 
 
 TARGET_MODEL = "qwen3-0.6b"  # the model shape the targets are set for, on one GPU
+TARGET_GPU = "H200"  # the GPU the limits are set on: a run elsewhere is read against them, and says so
 
 # The vLLM adapter's configurations, each read against every latency and capture target: plain
 # ``bcg`` (``torch_compile`` false, the short start), ``bcg_compile`` (what enabling bcg gives at
@@ -145,11 +146,13 @@ FIGURES = (f"Latency figures: the worst N of the median over rounds of per-round
            "complete round (graph memory).")
 
 
-def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict | None = None) -> list[str]:
+def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict | None = None,
+             gpu: str | None = None) -> list[str]:
     """The targets table for a run of ``engine`` (empty if the engine has none).
 
     A run of another model, or on several GPUs (``parallel``: sizes by name, as in the result
     file), gets one line saying why it is not checked: a "yes" there would not be about the target.
+    A run on another GPU than the one the limits are set on is checked, its heading naming both.
     """
     targets = TARGETS.get(engine, [])
     if not targets:
@@ -159,7 +162,10 @@ def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict
         shape = ", ".join([model] + [f"{k} {v}" for k, v in layout.items()])
         return ["## Targets", "", f"The targets are set for the {TARGET_MODEL} shape on one GPU; this run ({shape}) "
                 "is not checked against them.", ""]
-    lines = ["## Targets (H200, Qwen3-0.6B shape)", "", FIGURES, "", "| target | limit | this run | met |",
+    heading = f"## Targets ({TARGET_GPU}, Qwen3-0.6B shape)"
+    if gpu and TARGET_GPU not in gpu:
+        heading = f"## Targets (set for the {TARGET_GPU} and the Qwen3-0.6B shape; this run: {gpu})"
+    lines = [heading, "", FIGURES, "", "| target | limit | this run | met |",
              "|---|---|---|---|"]
     by_subject: dict[str, list[tuple[Target, bool | None]]] = {}
     for t in targets:

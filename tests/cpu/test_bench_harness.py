@@ -367,6 +367,15 @@ def test_targets_are_not_checked_for_another_model_or_several_gpus():
         assert f"this run ({shape}) is not checked against them" in table
 
 
+def test_the_targets_heading_names_the_gpu_of_a_run_on_another_gpu_than_the_limits_are_set_on():
+    modes = _vllm_modes()
+    on_h200 = _targets("vllm", modes, "qwen3-0.6b", None, "NVIDIA H200")
+    on_h100 = _targets("vllm", modes, "qwen3-0.6b", None, "NVIDIA H100 80GB HBM3")
+    assert on_h200.startswith("## Targets (H200, Qwen3-0.6B shape)\n")
+    assert on_h100.startswith("## Targets (set for the H200 and the Qwen3-0.6B shape; this run: NVIDIA H100 80GB HBM3)\n")
+    assert on_h100.split("\n", 1)[1] == on_h200.split("\n", 1)[1]  # read against the same limits
+
+
 def test_report_shows_memory_beyond_the_kv_cache_only_when_measured():
     result = {
         "engine": "vllm", "engine_version": "0.26.0", "model": {"name": "qwen3-0.6b"}, "gpu": "GPU",
