@@ -73,7 +73,10 @@ def run_mode(engine: str, mode: str, model: str, sizes: list[int], timeout_s: fl
         except subprocess.TimeoutExpired:
             end_group(proc)
             _, stderr = proc.communicate()
-            return {"error": f"timed out after {timeout_s:.0f} s", "log_tail": (stderr or "")[-3000:]}
+            # The engines cache what they compile: only a machine's first starts pay for it.
+            return {"error": f"timed out after {timeout_s:.0f} s (a first start on a machine can spend minutes "
+                             "compiling attention kernels, flashinfer's or Triton's: raise --timeout)",
+                    "log_tail": (stderr or "")[-3000:]}
         except BaseException:  # Ctrl-C: the engine's processes would go on holding the GPU
             end_group(proc)
             raise

@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,17 @@ def test_a_mode_process_records_the_host_load_it_started_under(tmp_path, monkeyp
               "modes": {"bcg": {**data, "rounds": [data, {**data, "load_avg_at_start": 2.0}]}}}
     assert "Host load (1-minute average) when each mode process started: 2.0 to 7.5, on 16 CPUs." in (
         harness.to_markdown(result))
+
+
+def test_a_mode_process_past_its_timeout_is_ended_and_the_error_says_to_raise_it(tmp_path, monkeypatch):
+    (tmp_path / "slow_mode.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(harness.ENGINES, "fake", {**harness.ENGINES["vllm"], "module": "slow_mode"})
+    start = time.perf_counter()
+    data = harness.run_mode("fake", "bcg", "qwen3-0.6b", [16], 1)
+    assert time.perf_counter() - start < 30
+    assert data["error"].startswith("timed out after 1 s (a first start on a machine can spend minutes compiling")
+    assert data["error"].endswith("raise --timeout)")
 
 
 class _Stopped(BaseException):
