@@ -59,7 +59,9 @@ def add_commands(bench: argparse.ArgumentParser) -> None:
                        help=f"comma-separated, from {','.join(spec['modes'])} (default: "
                             f"{'all' if defaults == spec['modes'] else ','.join(defaults)})")
         p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="directory for the result files")
-        p.add_argument("--timeout", type=_positive_seconds, default=300.0, help="seconds per mode process")
+        # A machine's first engine starts may compile attention kernels for minutes, and the limit
+        # is there to end a hung process, not a slow first start.
+        p.add_argument("--timeout", type=_positive_seconds, default=900.0, help="seconds per mode process")
         p.add_argument("--rounds", type=_at_least(1), default=1,
                        help="run every mode this many times, alternating the order; report the per-N minimum")
         p.add_argument("--tp", type=_at_least(1), default=1, help="tensor-parallel size of every mode's engine")
