@@ -875,6 +875,48 @@ def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, env, ar
     assert line.startswith("bcg: configuration error: ") and message in line
 
 
+def _flag_args(flag):
+    return types.SimpleNamespace(cuda_graph_backend_prefill=flag, cuda_graph_backend_decode=None,
+                                 enable_memory_saver=False)
+
+
+@pytest.fixture
+def fresh_launch(monkeypatch):
+    from bcg_plugin.adapters.sglang import launch
+
+    monkeypatch.setattr(launch, "_set_by_flag", False)
+    monkeypatch.setattr(launch, "_replaced", None, raising=False)
+    for name in [n for n in os.environ if n.startswith("BCG_")]:
+        monkeypatch.delenv(name)
+    return launch
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"BCG_MAX_TOKENS": "0"}, "BCG_MAX_TOKENS=0 disables it"),
+    ({"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}, "--enable-memory-saver"),
+])
+def test_a_refused_launch_leaves_no_bcg_enable_behind(fresh_launch, monkeypatch, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = _flag_args("bcg")
+    args.enable_memory_saver = "SGLANG_MEMORY_SAVER_CUDA_GRAPH" in env
+    with pytest.raises(BcgConfigError, match=message):
+        fresh_launch.translate_server_args(args)
+    assert "BCG_ENABLE" not in os.environ  # the processes this one starts next would inherit it
+    assert args.cuda_graph_backend_prefill == "bcg"
+
+
+@pytest.mark.parametrize("user", [None, "1", "0"])
+def test_a_launch_without_the_flag_gets_the_users_own_bcg_enable_back(fresh_launch, monkeypatch, user):
+    if user is not None:
+        monkeypatch.setenv("BCG_ENABLE", user)
+    fresh_launch.translate_server_args(_flag_args("bcg"))
+    fresh_launch.translate_server_args(_flag_args("bcg"))  # a second Engine with the flag
+    assert os.environ.get("BCG_ENABLE") == "1"
+    fresh_launch.translate_server_args(_flag_args(None))
+    assert os.environ.get("BCG_ENABLE") == user
+
+
 @pytest.fixture(scope="module")
 def enabled(model_dir):
     return run_scenario(model_dir, BCG_ENABLE="1")

@@ -11,9 +11,11 @@ from bcg_plugin.adapters.sglang.eligibility import MEMORY_SAVER_GRAPHS_ENV, memo
 
 logger = logging.getLogger("bcg_plugin.sglang")
 
-# Whether this process set BCG_ENABLE itself (from the flag): a later ServerArgs without the flag
-# (a second Engine in the same script) must not inherit it, while a user's own export stays.
+# Whether this process set BCG_ENABLE itself (from the flag), and the value it replaced (``None``:
+# unset): a later ServerArgs without the flag (a second Engine in the same script) gets that back,
+# so it does not inherit the flag's switch, while a user's own export stays.
 _set_by_flag = False
+_replaced: str | None = None
 
 
 def _refuse_decode(args) -> None:
@@ -32,14 +34,13 @@ def translate_server_args(args) -> None:
     have used its breakable runner. ``BCG_*`` is validated here so a bad value stops the launch
     with the key named, before any scheduler starts.
     """
-    global _set_by_flag
+    global _set_by_flag, _replaced
     _refuse_decode(args)
     if getattr(args, "cuda_graph_backend_prefill", None) == config.FLAG_VALUE:
         config.read_config()  # the user's own BCG_ENABLE too, before the flag sets it
-        args.cuda_graph_backend_prefill = None
-        os.environ[config.ENABLE_ENV] = "1"
-        _set_by_flag = True
-        cfg = config.read_config()
+        # Every check runs before anything changes: a refused launch leaves no BCG_ENABLE behind
+        # for the processes this one starts next.
+        cfg = config.read_config({**os.environ, config.ENABLE_ENV: "1"})
         if memory_saver_releases_graphs(getattr(args, "enable_memory_saver", False)):
             raise BcgConfigError(
                 f"--cuda-graph-backend-prefill {config.FLAG_VALUE} with --enable-memory-saver and "
@@ -52,11 +53,19 @@ def translate_server_args(args) -> None:
                 f"--cuda-graph-backend-prefill {config.FLAG_VALUE} asks for bcg but BCG_MAX_TOKENS=0 "
                 "disables it; drop one of the two"
             )
+        args.cuda_graph_backend_prefill = None
+        if not _set_by_flag:
+            _replaced = os.environ.get(config.ENABLE_ENV)
+        os.environ[config.ENABLE_ENV] = "1"
+        _set_by_flag = True
         logger.info("bcg: prefill CUDA graphs enabled (%s)", cfg.to_dict())
         return
     if _set_by_flag:
-        os.environ.pop(config.ENABLE_ENV, None)
-        _set_by_flag = False
+        if _replaced is None:
+            os.environ.pop(config.ENABLE_ENV, None)
+        else:
+            os.environ[config.ENABLE_ENV] = _replaced
+        _set_by_flag, _replaced = False, None
     config.read_config()
 
 
