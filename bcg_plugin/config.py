@@ -34,7 +34,8 @@ class BcgConfig:
             multiple of their count, as SGLang pads a full chunk; ``0`` disables capture, like the
             hosts' own "0 turns graphs off" convention.
         sizes: an explicit bucket list replacing the reference ladder; every size must be
-            ``<= max_tokens`` when both are given. Where the host splits a step's rows into equal
+            ``<= max_tokens`` when both are given, and within the most tokens one host step can
+            run (see ``max_tokens``; vLLM refuses larger sizes at engine start). Where the host splits a step's rows into equal
             shards (vLLM's sequence parallelism; SGLang where it scatters them between attention-TP ranks),
             each bucket, listed or from the ladder, is rounded up to a multiple of their count (the
             top one down, within ``max_tokens``: a step padded past it runs eagerly).

@@ -25,6 +25,22 @@ class BcgVersionError(BcgError):
     """An installed dependency is outside the versions the runtime was checked against; the message names the range."""
 
 
+def config_errors(error: BaseException) -> list[BcgConfigError]:
+    """The :class:`BcgConfigError` that ``error`` is, or those a validation error wraps where it wraps
+    nothing else (vLLM builds its config as a pydantic dataclass, whose validation error carries the
+    ``ValueError`` its ``__post_init__`` raised); else none."""
+    if isinstance(error, BcgConfigError):
+        return [error]
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        return []
+    try:
+        causes = [item.get("ctx", {}).get("error") for item in errors()]
+    except Exception:  # not pydantic's, or not shaped like it: not one of ours
+        return []
+    return causes if causes and all(isinstance(c, BcgConfigError) for c in causes) else []
+
+
 def one_line_if_uncaught() -> None:
     """Where a :class:`BcgConfigError` ends the program uncaught (an engine's command line started with
     a bad value), print it as the one line it is instead of a traceback; the exit status stays 1.
@@ -37,8 +53,10 @@ def one_line_if_uncaught() -> None:
         return
 
     def hook(kind, value, tb):
-        if isinstance(value, BcgConfigError):
-            print(f"bcg: configuration error: {value}", file=sys.stderr)
+        ours = config_errors(value)
+        if ours:
+            for error in ours:
+                print(f"bcg: configuration error: {error}", file=sys.stderr)
         else:
             previous(kind, value, tb)
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import json
 import logging
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -17,6 +20,7 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from bcg_plugin.adapters.vllm import launch, plugin, version  # noqa: E402
+from bcg_plugin.adapters.vllm.config import launch_record  # noqa: E402
 from bcg_plugin.patches import NOT_FILED, Patch, PatchSet, PatchTargetError, Wrap  # noqa: E402
 from bcg_plugin.patches._patch import raw_attribute  # noqa: E402
 from bcg_plugin.patches.vllm import ALL, ENTRY, RUNNER  # noqa: E402
@@ -173,6 +177,63 @@ def test_config_errors_name_the_key(vllm_model_config, raw, key):
         make_config(vllm_model_config, additional_config={"bcg": raw})
     assert "additional_config['bcg']" in str(err.value)
     assert key in str(err.value)
+
+
+@pytest.mark.parametrize("max_num_seqs, max_model_len, sizes, too_big", [
+    (256, 8192, [16, 2048, 4096], [4096]),  # above the chunk of 2048
+    (2, 512, [16, 1024, 2048], [2048]),  # within the chunk, above what two requests of 512 tokens hold
+])
+def test_sizes_above_what_a_step_schedules_stop_the_front_end_before_any_flag_changes(
+        vllm_model_config, monkeypatch, max_num_seqs, max_model_len, sizes, too_big):
+    from vllm.config import SchedulerConfig
+
+    plugin.register()
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    monkeypatch.setattr(vllm_model_config, "max_model_len", max_model_len)  # the model config is shared
+    scheduler = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                is_encoder_decoder=False)
+    with pytest.raises(ValueError) as err:
+        make_config(vllm_model_config, scheduler_config=scheduler,
+                    additional_config={"bcg": {"enable": True, "sizes": sizes}})
+    assert f"'sizes' has {too_big} above" in str(err.value) and "additional_config['bcg']" in str(err.value)
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in os.environ  # nothing half-applied
+    fits = [s for s in sizes if s not in too_big]
+    config = make_config(vllm_model_config, scheduler_config=scheduler,
+                         additional_config={"bcg": {"enable": True, "sizes": fits}})
+    assert launch_record(config) is not None  # the sizes that fit start bcg
+
+
+BAD_VLLM_CONFIG = """
+import json, sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.platforms import current_platform
+type(current_platform).support_static_graph_mode = classmethod(lambda cls: True)
+from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+model = ModelConfig(model=sys.argv[1], skip_tokenizer_init=True)
+VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), additional_config=json.loads(sys.argv[2]))
+print("BUILT")
+"""
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"enable": "maybe"}, "'enable' must be true or false"),
+    ({"enable": True, "sizes": [16, 65536]}, "'sizes' has [65536] above"),  # above any default chunk
+    ({"enable": True}, None),
+])
+def test_a_bad_config_ends_vllms_start_with_one_line(raw, message):
+    from bcg_bench.models import model_dir
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+    proc = subprocess.run([sys.executable, "-c", BAD_VLLM_CONFIG, str(model_dir("qwen3-0.6b")),
+                           json.dumps({"bcg": raw})], env=env, capture_output=True, text=True, timeout=600)
+    if message is None:
+        assert proc.returncode == 0 and "BUILT" in proc.stdout, proc.stderr[-3000:]
+        return
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("bcg:")]
+    assert line.startswith("bcg: configuration error: additional_config['bcg']: ") and message in line
 
 
 @pytest.mark.parametrize("raw, warmup", [

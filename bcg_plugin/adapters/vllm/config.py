@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bcg_plugin import BcgConfig
+from bcg_plugin import BcgConfig, BcgConfigError
+from bcg_plugin.ladder import ladder_top
 
 CONFIG_KEY = "bcg"
 SOURCE = "additional_config['bcg']"
@@ -190,6 +191,28 @@ def launch_problem(vllm_config: Any, cfg: BcgConfig) -> str | None:
         cc = getattr(vllm_config, "compilation_config", None)
         reason = (compile_problem(cc) if cc is not None else None) or sequence_parallel_problem(vllm_config, cfg)
     return reason or graph_mode_problem(getattr(vllm_config, "compilation_config", None))
+
+
+def check_sizes(vllm_config: Any, cfg: BcgConfig) -> None:
+    """Refuse explicit ``sizes`` above the most tokens a step of this engine schedules (the top bucket,
+    :func:`~bcg_plugin.ladder.ladder_top`), in the front-end: the worker's runner would refuse them
+    too, but only once the engine has started."""
+    if not cfg.sizes:
+        return
+    numbers = (_attr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None),
+               _attr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None),
+               _attr(getattr(vllm_config, "model_config", None), "max_model_len", None))
+    if not all(isinstance(n, int) and n > 0 for n in numbers):  # not resolved yet: the worker checks
+        return
+    top = ladder_top(*numbers)
+    too_big = [s for s in cfg.sizes if s > top]
+    if too_big:
+        held = "" if top == numbers[0] else f", what {numbers[1]} requests (max_num_seqs) of {numbers[2]} tokens " \
+                                              "(max_model_len) hold"
+        raise BcgConfigError(
+            f"{SOURCE}: 'sizes' has {too_big} above {top}, the most tokens one step of this engine schedules "
+            f"(max_num_batched_tokens={numbers[0]}{held}); drop those sizes, or raise max_num_batched_tokens"
+        )
 
 
 def sequence_parallel_multiple(vllm_config: Any) -> int:

@@ -43,12 +43,14 @@ from bcg_plugin.adapters.vllm.config import (
     BREAKABLE_ENV,
     LAUNCH_RECORD_KEY,
     bcg_config,
+    check_sizes,
     graphs_turned_off,
     launch_problem,
     launch_record,
     raw_bcg_config,
 )
 from bcg_plugin.adapters.vllm.log import logger
+from bcg_plugin.errors import BcgConfigError, one_line_if_uncaught
 
 # Said where bcg turns torch.compile off: the compiler's fused kernels are what a GPU-bound prefill
 # loses (Qwen3's per-head q/k norm and rotary run as separate eager kernels).
@@ -71,6 +73,14 @@ def configure_engine(vllm_config: Any) -> None:
     _warn_unread_environment()
     if raw_bcg_config(vllm_config) is None:
         return
+    try:
+        _configure(vllm_config)
+    except BcgConfigError:
+        one_line_if_uncaught()  # vLLM's command line then ends with it, not with pydantic's traceback
+        raise
+
+
+def _configure(vllm_config: Any) -> None:
     cfg = bcg_config(vllm_config)
     if not cfg.active:
         return
@@ -81,6 +91,7 @@ def configure_engine(vllm_config: Any) -> None:
         _log_once("warning", "bcg: prefill graphs stay off for this engine: %s; vLLM's compilation and CUDA graph "
                   "modes are left as configured", reason)
         return
+    check_sizes(vllm_config, cfg)  # before any flag changes
     from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
     cc = vllm_config.compilation_config
