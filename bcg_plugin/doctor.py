@@ -114,8 +114,19 @@ def adapter_report(engine: str) -> AdapterReport:
     if not eps:
         return AdapterReport(engine, installed_version(engine), "?", problems=[
             f"no 'bcg' entry point in {group}: bcg-plugin is not installed in this environment"])
-    module = importlib.import_module(eps[0].module)
-    return module.diagnose()
+    version = installed_version(engine)
+    try:  # a host that does not import starts no engine: say so, not which targets it seems to lack
+        importlib.import_module(engine)
+    except Exception as e:
+        return AdapterReport(engine, version, "?", problems=[
+            f"{engine} {version} fails to import ({type(e).__name__}: {e}); its engine cannot start either: "
+            f"repair or reinstall {engine}"])
+    try:
+        return importlib.import_module(eps[0].module).diagnose()
+    except Exception as e:  # one host's broken install must not hide the other host's report
+        return AdapterReport(engine, version, "?", problems=[
+            f"the check of {engine} {version} stopped at {type(e).__name__}: {e} (a module of {engine} that bcg "
+            f"reads did not load: check that {engine} itself starts)"])
 
 
 def gpu_report() -> dict[str, Any]:

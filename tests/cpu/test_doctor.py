@@ -3,6 +3,7 @@
 import importlib
 import io
 import json
+import sys
 
 import pytest
 
@@ -72,6 +73,34 @@ def test_unsupported_host_version_is_incompatible(monkeypatch):
     monkeypatch.setattr(version, "installed", lambda: "0.99.0")
     rc, text = _run(engines=["vllm"])
     assert rc == 1 and "INCOMPATIBLE" in text and "vllm 0.99.0 is outside the range bcg-plugin supports" in text
+    assert "stays off" in text
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_host_that_fails_to_import_is_one_problem_and_the_other_host_is_still_reported(engine, monkeypatch):
+    pytest.importorskip(engine)
+    other = "sglang" if engine == "vllm" else "vllm"
+    monkeypatch.setitem(sys.modules, engine, None)  # importing it now raises, as a broken install does
+    rc, text = _run()
+    assert rc == 1, text
+    [problem] = [line for line in text.splitlines() if line.startswith("  problem:")]
+    assert f"{engine} " in problem and "fails to import (ModuleNotFoundError" in problem
+    assert "patch target changed" not in text and "FAIL" not in text
+    assert f"\n{other}" in text  # reported, installed or not
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_host_whose_modules_fail_while_checked_is_one_problem(engine, monkeypatch):
+    pytest.importorskip(engine)
+    adapter = importlib.import_module(f"bcg_plugin.adapters.{engine}")
+
+    def diagnose():
+        raise RuntimeError("a kernel library failed to load")
+
+    monkeypatch.setattr(adapter, "diagnose", diagnose)
+    rc, text = _run(engines=[engine])
+    assert rc == 1 and "Traceback" not in text
+    assert f"problem: the check of {engine} " in text and "RuntimeError: a kernel library failed to load" in text
     assert "stays off" in text
 
 
