@@ -39,7 +39,7 @@ def version_problem(host: str, supported: SpecifierSet | str, found: str | None)
         parsed = Version(found)
     except InvalidVersion:
         return f"{host} version {found!r} is not a valid version"
-    if parsed not in SpecifierSet(str(supported)):
+    if not SpecifierSet(str(supported)).contains(parsed, prereleases=True):
         return f"{host} {found} is outside the range bcg-plugin supports ({format_range(supported)})"
     return None
 
@@ -95,7 +95,7 @@ class HostGate:
             v = Version(found)
         except InvalidVersion:
             return False
-        return v > Version(self.releases[-1]) and v not in self.supported
+        return v > Version(self.releases[-1]) and not self.supported.contains(v, prereleases=True)
 
     def untested(self, found: str | None) -> bool:
         """Whether ``found`` is newer than every release bcg-plugin was validated on and the user opted in."""
@@ -138,6 +138,6 @@ class HostGate:
         if self.untested(found):
             return self.releases[-1]
         try:
-            return found if Version(found) in self.supported else None
+            return found if self.supported.contains(Version(found), prereleases=True) else None
         except InvalidVersion:
             return None

@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from bcg_plugin import BcgConfigError, faults
 from bcg_plugin.dist import first_rank
@@ -24,6 +25,21 @@ from bcg_plugin.versions import UNTESTED_ENV, HostGate, format_range, version_pr
 def test_one_version_gate_for_every_host(found, problem):
     got = version_problem("sglang", "<0.5.18,>=0.5.17", found)
     assert got is None if problem is None else problem in got
+
+
+@pytest.mark.parametrize("older_packaging", [False, True])
+@pytest.mark.parametrize("found, inside", [
+    ("0.5.18rc1", True), ("0.5.18.dev12+gabc", True), ("0.5.19rc1", False), ("0.5.17rc1", False),
+])
+def test_a_pre_release_is_gated_by_its_place_in_the_range_whatever_packaging_is_installed(
+        monkeypatch, older_packaging, found, inside):
+    if older_packaging:  # packaging before 26 leaves pre-releases out of `in` unless the range names one
+        monkeypatch.setattr(SpecifierSet, "__contains__", lambda self, item: self.contains(item, prereleases=False))
+    assert (version_problem("sglang", ">=0.5.17,<0.5.19", found) is None) == inside
+    gate = HostGate("sglang", ">=0.5.17,<0.5.19", ("0.5.17", "0.5.18"))
+    monkeypatch.setattr(gate, "installed", lambda: found)
+    assert (gate.selected() == found) == inside
+    assert gate._newer(found) == (found == "0.5.19rc1")  # above the range: the untested opt-in's case
 
 
 def test_ranges_read_lower_bound_first():
