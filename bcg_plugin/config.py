@@ -193,6 +193,27 @@ def config_env_names() -> set[str]:
     return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BcgConfig)}
 
 
+# How alike (difflib's ratio) an unread ``BCG_*`` name must be to a read one to be taken for its
+# misspelling: BCG_MAX_TOKEN, BCG_SIZE or BCG_ENABLED read 0.94 or more, while other tools' names
+# under the prefix (the test and bench harness's BCG_TEST_*, BCG_SOAK_*) stay below 0.88.
+MISSPELLING_CUTOFF = 0.9
+
+
+def check_env_spelling(environ: Mapping[str, str], known: set[str]) -> None:
+    """Raise :class:`BcgConfigError` for a ``BCG_*`` variable that is not in ``known`` but is so close
+    to a name in it that it is a misspelling, which would otherwise leave the setting unread; other
+    unread names under the prefix are left alone (they may be another tool's)."""
+    import difflib
+
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=MISSPELLING_CUTOFF)
+        if close:
+            raise BcgConfigError(f"environment (BCG_*): {name} is not a variable bcg reads; did you mean "
+                                 f"{close[0]}? Rename it, or unset it")
+
+
 # How a boolean reads as text (environment variables, JSON strings).
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -282,7 +303,8 @@ def reference_markdown() -> str:
         "",
         "The same keys everywhere: vLLM `--additional-config '{\"bcg\": {...}}'` (or `LLM(additional_config=...)`),",
         f"environment variables `{ENV_PREFIX}<KEY>` (e.g. `{ENV_PREFIX}ENABLE=1`, `{ENV_PREFIX}SIZES=16,32,64`) for engines",
-        "that spawn workers (SGLang). Unknown keys and bad values fail at engine start with an error naming the key.",
+        "that spawn workers (SGLang). Unknown keys and bad values fail at engine start with an error naming the key;",
+        f"so does a `{ENV_PREFIX}*` variable whose name is a misspelling of one of these.",
         "",
         "| key | type | default | environment | meaning |",
         "|---|---|---|---|---|",

@@ -178,16 +178,22 @@ def test_sglang_configurations_its_start_refuses_are_invalid(environ, key):
 
 
 @pytest.mark.sglang
-def test_sglang_names_misspelled_variables_and_json_it_cannot_be_given():
+def test_sglang_names_variables_and_json_it_does_not_read_and_refuses_a_misspelling():
     pytest.importorskip("sglang")
-    rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKEN": "512", "BCG_STATS_INTERVAL_S": "5"},
+    rc, text = _run_env({"BCG_ENABLE": "1", "BCG_BENCH_RECORD": "/tmp/r", "BCG_STATS_INTERVAL_S": "5"},
                         config='{"max_tokens": 1024}', engines=["sglang"])
     sglang = _section(text, "sglang")
-    assert "ignored: BCG_MAX_TOKEN (no such variable is read; did you mean BCG_MAX_TOKENS?)" in sglang
+    assert "ignored: BCG_BENCH_RECORD (no such variable is read)" in sglang
     assert "ignored: --config key 'max_tokens' (SGLang reads the environment: BCG_MAX_TOKENS)" in sglang
     assert "BCG_STATS_INTERVAL_S" not in sglang.split("configuration", 1)[1]  # a variable SGLang's adapter reads
-    # What SGLang runs: the environment's config, the top bucket its chunk, not the ignored 512 or 1024.
+    # What SGLang runs: the environment's config, the top bucket its chunk, not the ignored 1024.
     assert rc == 0 and "up to the engine's chunk size" in sglang
+    # A misspelling of a variable it reads would leave that setting unread: SGLang's start refuses it.
+    rc, text = _run_env({"BCG_ENABLE": "1", "BCG_MAX_TOKEN": "512"}, engines=["sglang"])
+    sglang = _section(text, "sglang")
+    assert rc == 1 and "INVALID: environment (BCG_*): BCG_MAX_TOKEN is not a variable bcg reads; did you mean " \
+                       "BCG_MAX_TOKENS?" in sglang, sglang
+    assert "refuses to start" in sglang
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -170,12 +170,23 @@ def test_a_hook_sglang_did_not_install_fails_the_set(monkeypatch):
      ({"BCG_STATS_INTERVAL_S": "nan"}, "'BCG_STATS_INTERVAL_S'"), ({"BCG_STATS_INTERVAL_S": "inf"}, "0 turns"),
      ({"BCG_STATS_INTERVAL_S": "-1"}, "'BCG_STATS_INTERVAL_S'"),
      ({"BCG_SIZES": "16,4096", "BCG_MAX_TOKENS": "2048"}, "'sizes'"),
-     ({"BCG_ENABLE": "1", "BCG_TORCH_COMPILE": "1"}, "'torch_compile' is supported with vLLM only")],
+     ({"BCG_ENABLE": "1", "BCG_TORCH_COMPILE": "1"}, "'torch_compile' is supported with vLLM only"),
+     ({"BCG_ENABLE": "1", "BCG_MAX_TOKEN": "512"}, "BCG_MAX_TOKEN is not a variable bcg reads; did you mean "
+                                                   "BCG_MAX_TOKENS?"),
+     ({"BCG_ENABLED": "1"}, "did you mean BCG_ENABLE?"),
+     ({"BCG_STATS_INTERVAL": "5"}, "did you mean BCG_STATS_INTERVAL_S?")],
 )
 def test_config_errors_name_the_key(env, key):
     with pytest.raises(BcgConfigError) as e:
         config.read_config(env)
     assert key in str(e.value)
+
+
+def test_other_tools_variables_under_the_prefix_are_left_alone():
+    # the test and bench harness's own names, each further from a name bcg reads than a misspelling
+    env = {"BCG_ENABLE": "1", "BCG_TEST_TP": "2", "BCG_TEST_MODEL": "qwen3-8b", "BCG_SOAK_TORCH_COMPILE": "1",
+           "BCG_TEST_ATTENTION_BACKEND": "fa3", "BCG_BENCH_PROFILE_TOKENS": "16", "BCG_CI_VENV": "/tmp/v"}
+    assert config.read_config(env).active
 
 
 def test_config_defaults_off_and_reads_env():

@@ -12,6 +12,9 @@ import os
 from collections.abc import Mapping
 
 from bcg_plugin import BcgConfig, BcgConfigError
+from bcg_plugin.config import check_env_spelling, config_env_names
+from bcg_plugin.faults import FAULTS_ENV
+from bcg_plugin.versions import UNTESTED_ENV
 
 FLAG_VALUE = "bcg"  # --cuda-graph-backend-prefill bcg / Engine(cuda_graph_backend_prefill="bcg")
 
@@ -23,6 +26,7 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:
     """The validated core config from ``BCG_*``; raises :class:`BcgConfigError` naming the key."""
     env = os.environ if environ is None else environ
+    check_env_spelling(env, config_env_names() | {STATS_INTERVAL_ENV, FAULTS_ENV, UNTESTED_ENV})
     config = BcgConfig.from_env(env) or BcgConfig()
     if config.torch_compile:
         raise BcgConfigError(
