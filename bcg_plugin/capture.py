@@ -56,7 +56,7 @@ def torch_version_problem(found: str | None = None) -> str | None:
     if supported:
         return None
     return (f"torch {found} is outside the range bcg-plugin supports ({SUPPORTED_TORCH_RANGE}); use an engine "
-            "release built on a torch in that range, or run without bcg (set 'max_tokens' to 0)")
+            "release built on a torch in that range")
 
 
 def check_torch_version() -> None:
