@@ -244,6 +244,8 @@ def _report(args: argparse.Namespace) -> int:
 
 def load_result(path: Path, parser: argparse.ArgumentParser) -> str:
     """``path``'s kind of bench result (``engine`` or ``micro``); any other file is a usage error."""
+    if path.is_dir():
+        parser.error(f"{path} is a directory: name one result file in it (bcg bench writes <engine>-...-<date>.json)")
     if not path.is_file():
         parser.error(f"no such result file: {path}")
     try:

@@ -131,6 +131,11 @@ def test_missing_result_file(tmp_path):
                    "bcg bench report: error:", f"no such result file: {tmp_path / 'nope.json'}")
 
 
+def test_a_directory_given_as_the_result_file(tmp_path):
+    one_line_error(bcg("bench", "report", str(tmp_path)), 2,
+                   "bcg bench report: error:", f"{tmp_path} is a directory: name one result file in it")
+
+
 def test_malformed_json(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"benchmark": "engine",')
