@@ -41,6 +41,12 @@ def version_problem(host: str, supported: SpecifierSet | str, found: str | None)
         return f"{host} version {found!r} is not a valid version"
     if not SpecifierSet(str(supported)).contains(parsed, prereleases=True):
         return f"{host} {found} is outside the range bcg-plugin supports ({format_range(supported)})"
+    if parsed.is_prerelease:
+        # The patch descriptors' ranges meet at releases, so a pre-release of one (0.29.0rc1: below
+        # ">=0.29", above "<0.29" for pre-releases) falls between them and would get only part of
+        # the patches; packaging before 26 kept pre-releases out of every range, 26 lets them in.
+        return (f"{host} {found} is a pre-release: bcg-plugin patches the releases in "
+                f"{format_range(supported)}, each checked against its own code; install one of those")
     return None
 
 
@@ -137,7 +143,4 @@ class HostGate:
             return None
         if self.untested(found):
             return self.releases[-1]
-        try:
-            return found if self.supported.contains(Version(found), prereleases=True) else None
-        except InvalidVersion:
-            return None
+        return found if version_problem(self.dist, self.supported, found) is None else None

@@ -27,18 +27,22 @@ def test_one_version_gate_for_every_host(found, problem):
     assert got is None if problem is None else problem in got
 
 
-@pytest.mark.parametrize("older_packaging", [False, True])
-@pytest.mark.parametrize("found, inside", [
-    ("0.5.18rc1", True), ("0.5.18.dev12+gabc", True), ("0.5.19rc1", False), ("0.5.17rc1", False),
+@pytest.mark.parametrize("newer_packaging", [False, True])
+@pytest.mark.parametrize("found, problem", [
+    ("0.5.18rc1", "sglang 0.5.18rc1 is a pre-release: bcg-plugin patches the releases in >=0.5.17,<0.5.19"),
+    ("0.5.18.dev12+gabc", "is a pre-release"), ("0.5.19rc1", "outside the range"), ("0.5.17rc1", "outside the range"),
+    ("0.5.18", None), ("0.5.18.post1", None), ("0.5.18+cu129", None),
 ])
-def test_a_pre_release_is_gated_by_its_place_in_the_range_whatever_packaging_is_installed(
-        monkeypatch, older_packaging, found, inside):
-    if older_packaging:  # packaging before 26 leaves pre-releases out of `in` unless the range names one
-        monkeypatch.setattr(SpecifierSet, "__contains__", lambda self, item: self.contains(item, prereleases=False))
-    assert (version_problem("sglang", ">=0.5.17,<0.5.19", found) is None) == inside
+def test_a_pre_release_is_refused_whatever_packaging_is_installed(monkeypatch, newer_packaging, found, problem):
+    # A pre-release falls between the descriptors' ranges, which meet at releases: it would get only
+    # part of the patches. packaging from 26 lets pre-releases into `in`; earlier releases keep them out.
+    monkeypatch.setattr(SpecifierSet, "__contains__",
+                        lambda self, item: self.contains(item, prereleases=newer_packaging))
+    got = version_problem("sglang", ">=0.5.17,<0.5.19", found)
+    assert got is None if problem is None else problem in got
     gate = HostGate("sglang", ">=0.5.17,<0.5.19", ("0.5.17", "0.5.18"))
     monkeypatch.setattr(gate, "installed", lambda: found)
-    assert (gate.selected() == found) == inside
+    assert gate.selected() == (found if problem is None else None)
     assert gate._newer(found) == (found == "0.5.19rc1")  # above the range: the untested opt-in's case
 
 
