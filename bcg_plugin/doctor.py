@@ -119,14 +119,14 @@ def adapter_report(engine: str) -> AdapterReport:
         importlib.import_module(engine)
     except Exception as e:
         return AdapterReport(engine, version, "?", problems=[
-            f"{engine} {version} fails to import ({type(e).__name__}: {e}); its engine cannot start either: "
-            f"repair or reinstall {engine}"])
+            f"{engine} {version} fails to import ({type(e).__name__}: {e}): until it imports, neither its engine "
+            f"nor the plugin runs; repair or reinstall {engine}"])
     try:
         return importlib.import_module(eps[0].module).diagnose()
     except Exception as e:  # one host's broken install must not hide the other host's report
         return AdapterReport(engine, version, "?", problems=[
             f"the check of {engine} {version} stopped at {type(e).__name__}: {e} (a module of {engine} that bcg "
-            f"reads did not load: check that {engine} itself starts)"])
+            f"reads did not load, or a fault in bcg-plugin's check: if {engine} itself starts, report this)"])
 
 
 def gpu_report() -> dict[str, Any]:

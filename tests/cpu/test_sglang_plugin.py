@@ -899,7 +899,8 @@ def fresh_launch(monkeypatch):
     monkeypatch.setattr(launch, "_replaced", None, raising=False)
     for name in [n for n in os.environ if n.startswith("BCG_")]:
         monkeypatch.delenv(name)
-    return launch
+    yield launch
+    os.environ.pop("BCG_ENABLE", None)  # what the launches set; monkeypatch then puts back what was there
 
 
 @pytest.mark.parametrize("env, message", [
@@ -926,6 +927,15 @@ def test_a_launch_without_the_flag_gets_the_users_own_bcg_enable_back(fresh_laun
     assert os.environ.get("BCG_ENABLE") == "1"
     fresh_launch.translate_server_args(_flag_args(None))
     assert os.environ.get("BCG_ENABLE") == user
+
+
+def test_a_value_the_user_sets_between_launches_is_the_one_given_back(fresh_launch):
+    fresh_launch.translate_server_args(_flag_args("bcg"))
+    os.environ["BCG_ENABLE"] = "0"  # the user's own, between two engines
+    fresh_launch.translate_server_args(_flag_args("bcg"))
+    assert os.environ.get("BCG_ENABLE") == "1"
+    fresh_launch.translate_server_args(_flag_args(None))
+    assert os.environ.get("BCG_ENABLE") == "0"
 
 
 @pytest.fixture(scope="module")

@@ -54,8 +54,9 @@ def translate_server_args(args) -> None:
                 "disables it; drop one of the two"
             )
         args.cuda_graph_backend_prefill = None
-        if not _set_by_flag:
-            _replaced = os.environ.get(config.ENABLE_ENV)
+        current = os.environ.get(config.ENABLE_ENV)
+        if not (_set_by_flag and current == "1"):  # not the flag's own value: the user's
+            _replaced = current
         os.environ[config.ENABLE_ENV] = "1"
         _set_by_flag = True
         logger.info("bcg: prefill CUDA graphs enabled (%s)", cfg.to_dict())
