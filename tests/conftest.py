@@ -253,6 +253,21 @@ def vllm_model_config():
 
 
 @pytest.fixture
+def config_error_line():
+    """Checks that an engine's start ended with bcg's one configuration-error line, not a traceback:
+    status 1, one ``bcg:`` line on stderr (the engine's own log lines may surround it), holding
+    ``message``; returns that line."""
+
+    def check(proc, message: str) -> str:
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("bcg:")]
+        assert line.startswith("bcg: configuration error: ") and message in line, line
+        return line
+
+    return check
+
+
+@pytest.fixture
 def gpu_test_module():
     """Loads ``tests/gpu/<name>.py`` as a module for CPU tests of its engine-free parts (its
     neighbours importable while it loads, as under pytest)."""

@@ -23,10 +23,16 @@ STATS_INTERVAL_ENV = "BCG_STATS_INTERVAL_S"  # seconds between stats log lines; 
 DEFAULT_STATS_INTERVAL_S = 60.0
 
 
+def env_names() -> set[str]:
+    """Every ``BCG_*`` variable a process of SGLang with bcg reads: the core's config, the stats
+    interval, the fault plugins and the untested-host opt-in."""
+    return config_env_names() | {STATS_INTERVAL_ENV, FAULTS_ENV, UNTESTED_ENV}
+
+
 def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:
     """The validated core config from ``BCG_*``; raises :class:`BcgConfigError` naming the key."""
     env = os.environ if environ is None else environ
-    check_env_spelling(env, config_env_names() | {STATS_INTERVAL_ENV, FAULTS_ENV, UNTESTED_ENV})
+    check_env_spelling(env, env_names())
     config = BcgConfig.from_env(env) or BcgConfig()
     if config.torch_compile:
         raise BcgConfigError(

@@ -8,11 +8,8 @@ from typing import Any
 
 from bcg_plugin import BREAKING
 from bcg_plugin.config import ENV_PREFIX, BcgConfig
-from bcg_plugin.config import config_env_names
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
-from bcg_plugin.faults import FAULTS_ENV
-from bcg_plugin.versions import UNTESTED_ENV
 
 
 def diagnose() -> AdapterReport:
@@ -76,7 +73,7 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     variables it does not read are named as ignored."""
     from bcg_plugin.adapters.sglang import config
 
-    known = config_env_names() | {config.STATS_INTERVAL_ENV, FAULTS_ENV, UNTESTED_ENV}
+    known = config.env_names()
     ignored = [unknown_env_key(name, known) for name in sorted(environ)
                if name.startswith(ENV_PREFIX) and name not in known]
     if isinstance(raw, dict):

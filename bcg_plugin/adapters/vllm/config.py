@@ -193,25 +193,35 @@ def launch_problem(vllm_config: Any, cfg: BcgConfig) -> str | None:
     return reason or graph_mode_problem(getattr(vllm_config, "compilation_config", None))
 
 
+# What vLLM calls the three numbers that bound one step's tokens (:func:`step_limits`).
+STEP_LIMIT_NAMES = ("max_num_batched_tokens", "max_num_seqs", "max_model_len")
+
+
+def step_limits(vllm_config: Any) -> tuple[Any, Any, Any]:
+    """vLLM's chunk, request limit and context length (:data:`STEP_LIMIT_NAMES`), whose
+    :func:`~bcg_plugin.ladder.ladder_top` is the most tokens one step schedules: bcg's top bucket."""
+    scheduler = vllm_config.scheduler_config
+    return (scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+            getattr(vllm_config.model_config, "max_model_len", None))
+
+
 def check_sizes(vllm_config: Any, cfg: BcgConfig) -> None:
-    """Refuse explicit ``sizes`` above the most tokens a step of this engine schedules (the top bucket,
-    :func:`~bcg_plugin.ladder.ladder_top`), in the front-end: the worker's runner would refuse them
-    too, but only once the engine has started."""
+    """Refuse explicit ``sizes`` above the most tokens a step of this engine schedules (the top bucket),
+    in the front-end: the worker's runner would refuse them too, but only once the engine has started."""
     if not cfg.sizes:
         return
-    numbers = (_attr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None),
-               _attr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None),
-               _attr(getattr(vllm_config, "model_config", None), "max_model_len", None))
+    numbers = step_limits(vllm_config)
     if not all(isinstance(n, int) and n > 0 for n in numbers):  # not resolved yet: the worker checks
         return
     top = ladder_top(*numbers)
     too_big = [s for s in cfg.sizes if s > top]
     if too_big:
-        held = "" if top == numbers[0] else f", what {numbers[1]} requests (max_num_seqs) of {numbers[2]} tokens " \
-                                              "(max_model_len) hold"
+        chunk, requests, context = numbers
+        held = "" if top == chunk else (f", what {requests} requests (max_num_seqs) of {context} tokens "
+                                        "(max_model_len) hold")
         raise BcgConfigError(
             f"{SOURCE}: 'sizes' has {too_big} above {top}, the most tokens one step of this engine schedules "
-            f"(max_num_batched_tokens={numbers[0]}{held}); drop those sizes, or raise max_num_batched_tokens"
+            f"(max_num_batched_tokens={chunk}{held}); drop those sizes, or raise max_num_batched_tokens"
         )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from bcg_plugin import BcgStateError, Fallback, HostBatch, PrefillGraphRunner, faults, plugin_manager
-from bcg_plugin.adapters.vllm.config import SUPPORTED_BACKENDS, bcg_config
+from bcg_plugin.adapters.vllm.config import STEP_LIMIT_NAMES, SUPPORTED_BACKENDS, bcg_config, step_limits
 from bcg_plugin.adapters.vllm.host import VllmHost
 from bcg_plugin.adapters.vllm.launch import warn_declined
 from bcg_plugin.adapters.vllm.log import logger
@@ -33,9 +33,8 @@ INSTANCES: weakref.WeakSet = weakref.WeakSet()
 def step_token_limit(vllm_config: Any, *, log: bool = False) -> int:
     """bcg's top bucket (:func:`bcg_plugin.ladder.ladder_top`): ``max_num_batched_tokens``, or
     ``max_num_seqs`` x ``max_model_len`` where that is smaller (vLLM only warns about such a chunk)."""
-    numbers = (vllm_config.scheduler_config.max_num_batched_tokens, vllm_config.scheduler_config.max_num_seqs,
-               vllm_config.model_config.max_model_len)
-    note = ladder_top_note(*numbers, ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
+    numbers = step_limits(vllm_config)
+    note = ladder_top_note(*numbers, STEP_LIMIT_NAMES)
     if note is not None and log:
         logger.info("%s", note)
     return ladder_top(*numbers)
