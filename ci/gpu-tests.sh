@@ -5,7 +5,7 @@
 #   ci/gpu-tests.sh LOGDIR SUITE [SUITE...]
 #   suites: core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer,
 #           sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3,
-#           sglang-fa3-graph, sglang-fa3-break, metrics
+#           sglang-fa3-host-slots, sglang-fa3-graph, sglang-fa3-break, metrics
 # (sglang runs SGLang's triton backend, where attention breaks; sglang-flashinfer its flashinfer
 # backend with attention inside bcg's graphs, BCG_ATTENTION=graph, against SGLang's own full prefill
 # graphs; sglang-flashinfer-auto the same backend with the defaults, BCG_ATTENTION=auto, inside the
@@ -15,8 +15,10 @@
 # the fa3 backend, SGLang's default on Hopper, with the default BCG_ATTENTION=auto, inside the
 # buckets up to 1024 tokens and breaking above (a chunk of 2048, so that some break), against full
 # graphs of those buckets, and some graph buckets' break variants (a step of more requests than the
-# slots); sglang-fa3-graph fa3 with attention inside every bucket, against SGLang's own full prefill
-# graphs; sglang-fa3-break fa3 with attention breaking, against eager)
+# slots); sglang-fa3-host-slots the same at SGLang's own request slots (4 at that chunk), where
+# the break variants serve the workload's larger steps; sglang-fa3-graph fa3 with attention inside
+# every bucket, against SGLang's own full prefill graphs; sglang-fa3-break fa3 with attention
+# breaking, against eager)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 logdir="$1"; shift
@@ -37,10 +39,11 @@ for suite in "$@"; do
         sglang-flashinfer-one-graph) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=auto BCG_GRAPH_VARIANTS=0) ;;
         sglang-flashinfer-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=flashinfer BCG_ATTENTION=break) ;;
         sglang-fa3)      args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=auto BCG_TEST_CHUNK=2048) ;;
+        sglang-fa3-host-slots) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=auto BCG_TEST_CHUNK=2048 BCG_TEST_SLOTS=host) ;;
         sglang-fa3-graph) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=graph) ;;
         sglang-fa3-break) args=(tests/gpu/test_sglang_gpu.py -m gpu); env=(BCG_TEST_ATTENTION_BACKEND=fa3 BCG_ATTENTION=break) ;;
         metrics)         args=(tests/gpu/test_metrics_gpu.py -m gpu) ;;
-        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3, sglang-fa3-graph, sglang-fa3-break, metrics)" >&2; exit 2 ;;
+        *) echo "gpu-tests: unknown suite '$suite' (core, vllm, vllm-graph, vllm-compile, vllm-step-limit, sglang, sglang-flashinfer, sglang-flashinfer-auto, sglang-flashinfer-one-graph, sglang-flashinfer-break, sglang-fa3, sglang-fa3-host-slots, sglang-fa3-graph, sglang-fa3-break, metrics)" >&2; exit 2 ;;
     esac
     log="$logdir/$suite.log"
     {

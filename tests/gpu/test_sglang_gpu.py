@@ -44,7 +44,9 @@ buckets up to the adapter's limit for fa3 (1024 tokens, so ``sglang-fa3`` sets a
 some buckets to break), against SGLang's full prefill graphs on fa3 of those buckets, with the
 ``break`` variants as on flashinfer (the suite's main workload never sends the steps they serve); ``graph`` inside every bucket (``sglang-fa3-graph``), and ``break`` in none, the store in
 the segment (``sglang-fa3-break``, against eager). Where attention stays inside, the comparison's
-bcg engines and full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold. On a
+bcg engines and full's have ``SUITE_SLOTS`` request slots, more than the workload's steps hold
+(``BCG_TEST_SLOTS=host``: SGLang's own count, so the ``break`` variants serve the main workload's
+steps of more requests, held to full's eager run of them; ``sglang-fa3-host-slots``). On a
 backend whose break stores the KV cache the stale-store control has nothing to make stale and is
 skipped.
 
@@ -273,8 +275,23 @@ def engine_kwargs(model_path: str, mode: str, chunk: int = CHUNK, *, tp: int = T
 # The request slots of the suite's bcg and full engines where attention stays inside bcg's graphs:
 # more than the workload's 60 requests at once, so that full replays every step bcg replays with
 # attention inside. Defaults would not: fa3's slots are SGLang's chunk / 512 (4 at the fa3 suite's
-# chunk), and SGLang's full runs a step of more requests eagerly.
-SUITE_SLOTS = 64
+# chunk), and SGLang's full runs a step of more requests eagerly. BCG_TEST_SLOTS=host leaves both
+# engines SGLang's own count (``sglang-fa3-host-slots``): bcg then serves the steps of more requests
+# in its graph buckets' ``break`` variants, and full runs them eagerly.
+SUITE_SLOTS = None if os.environ.get("BCG_TEST_SLOTS") == "host" else int(os.environ.get("BCG_TEST_SLOTS", "64"))
+
+
+def request_slots() -> int:
+    """The request slots of bcg's graph buckets in this run: ``SUITE_SLOTS``, or SGLang's own rule
+    on the backend (the suite's pool and context hold more, so no other bound applies)."""
+    from bcg_plugin.adapters.sglang.graph_attention import chunk_request_slots
+
+    return SUITE_SLOTS if SUITE_SLOTS is not None else chunk_request_slots(CHUNK, ATTENTION_BACKEND)
+
+
+def slots_layout(slots: int | None) -> dict | None:
+    """The engine layout that gives SGLang's prefill graphs ``slots`` request slots (``None``: its own)."""
+    return None if slots is None else {"prefill_graphs": {"full_prefill_max_req": slots}}
 
 
 def full_reference_graphs(chunk: int) -> dict:
@@ -287,7 +304,8 @@ def full_reference_graphs(chunk: int) -> dict:
 
     assert INSIDE_TOKENS, "full is the reference only where bcg keeps attention inside some bucket"
     ladder = [n for n in reference_ladder(chunk) if n <= INSIDE_TOKENS]
-    return {"full_prefill_max_req": SUITE_SLOTS, "bs": [n for n in (1, 2, 4, 8) if n < ladder[0]] + ladder}
+    slots = {} if SUITE_SLOTS is None else {"full_prefill_max_req": SUITE_SLOTS}
+    return {**slots, "bs": [n for n in (1, 2, 4, 8) if n < ladder[0]] + ladder}
 
 
 # Each engine of one test process gets its own port range: under DP attention the process keeps a
@@ -439,7 +457,7 @@ def kept(name: str, run) -> dict:
     if name.startswith("full") and INSIDE_TOKENS < TOP_BUCKET:
         graph = f"-to{INSIDE_TOKENS}"
     if GRAPH_ATTENTION and not name.startswith("eager"):
-        graph += f"-slots{SUITE_SLOTS}"
+        graph += f"-slots{'host' if SUITE_SLOTS is None else SUITE_SLOTS}"
     chunk = ("" if CHUNK == 1024 else f"-chunk{CHUNK}") + ("" if ATTENTION_BACKEND == "triton" else f"-{ATTENTION_BACKEND}") + graph
     path = Path(RESULTS_DIR) / f"sglang-{name}-{MODEL}-tp{TP}-dp{DP}{chunk}.json" if RESULTS_DIR else None
     if path is not None and path.exists():
@@ -455,7 +473,7 @@ def kept(name: str, run) -> dict:
 @pytest.fixture(scope="module")
 def runs(checkpoint):
     waves, probes = workload(), probe_requests()
-    slots = {"prefill_graphs": {"full_prefill_max_req": SUITE_SLOTS}} if GRAPH_ATTENTION else None
+    slots = slots_layout(SUITE_SLOTS) if GRAPH_ATTENTION else None
     eager = kept("eager", lambda: run_engine(checkpoint, "disabled", waves, probes))
     bcg = kept("bcg", lambda: run_engine(checkpoint, "bcg", waves, probes, layout=slots, BCG_STATS_INTERVAL_S="1"))
     stale = kept("stale", lambda: run_engine(checkpoint, "bcg", [], probes, layout=slots, BCG_TEST_FAULTS=STALE_FAULT,
@@ -482,7 +500,9 @@ def test_bcg_replayed_prefill_and_mixed_forwards(runs):
     assert not eager_graph, "the eager engine replayed prefill graphs"
     if REFERENCE != "eager":  # a step the reference ran eagerly would compare bcg with eager prefill again
         forwards = runs[REFERENCE]["forwards"]
-        not_replayed = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= INSIDE_TOKENS]
+        # At SGLang's own request slots full runs a step of more requests eagerly, as bcg breaks there.
+        not_replayed = [f["tokens"] for f in forwards if not f["graph"] and f["tokens"] <= INSIDE_TOKENS
+                        and f["requests"] <= request_slots()]
         print(f"[bcg gpu] {REFERENCE} engine: {sum(f['graph'] for f in forwards)} of {len(forwards)} extend "
               f"forwards replayed")
         assert forwards and not not_replayed, (f"SGLang's {REFERENCE} prefill graphs ran steps eagerly: "
@@ -563,7 +583,7 @@ def test_steps_without_a_cached_prefix_replay_in_the_fresh_variant_and_the_other
 
 def test_graph_buckets_larger_than_the_request_slots_are_also_captured_breaking(runs):
     """Graph variants (the default): the graph buckets the adapter picks so that every one that can
-    hold a step of more requests than the request slots (``SUITE_SLOTS`` here) has one within reach
+    hold a step of more requests than the request slots (:func:`request_slots`) has one within reach
     are also captured as the ``break`` variant; with variants off, none is."""
     from bcg_plugin import BREAKING
     from bcg_plugin.adapters.sglang.graph_attention import breaking_buckets
@@ -575,8 +595,13 @@ def test_graph_buckets_larger_than_the_request_slots_are_also_captured_breaking(
     if not VARIANTS or not inside:
         assert not breaking
         pytest.skip("graph variants are off, or no bucket keeps attention inside the graph in this run")
-    assert sorted(int(b) for b in breaking) == breaking_buckets(inside, SUITE_SLOTS)
+    assert sorted(int(b) for b in breaking) == breaking_buckets(inside, request_slots())
     assert breaking, "no graph bucket is larger than the request slots: the variant went untested"
+    if SUITE_SLOTS is None:  # SGLang's own few slots: the main workload's larger steps are the variant's
+        served = [f for f in runs["bcg"]["forwards"] if f["graph"] and f.get("variant") == BREAKING
+                  and f["tokens"] <= INSIDE_TOKENS]
+        print(f"[bcg gpu] {len(served)} replays of the main workload in a graph bucket's {BREAKING!r} variant")
+        assert served and all(f["requests"] > request_slots() for f in served), served[:10]
 
 
 def test_the_kv_cache_store_runs_in_the_segment_where_the_backend_allows_it(runs):
@@ -686,7 +711,7 @@ def reroute_runs(checkpoint, runs):
     wave = reroute_wave()
     assert sum(len(r["ids"]) for r in wave) <= INSIDE_TOKENS
     eager = run_engine(checkpoint, "disabled", [wave], [])
-    bcg = run_engine(checkpoint, "bcg", [wave], [], layout={"prefill_graphs": {"full_prefill_max_req": REROUTE_SLOTS}})
+    bcg = run_engine(checkpoint, "bcg", [wave], [], layout=slots_layout(REROUTE_SLOTS))
     return {"eager": eager, "bcg": bcg, "spread": runs["spread"]}
 
 
