@@ -868,6 +868,10 @@ LAUNCH_WITH_BCG = textwrap.dedent(
     # SGLang's own breakable runner refuses this too, later, with a traceback
     ({"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}, ["--enable-memory-saver"], "--cuda-graph-backend-prefill full"),
     ({}, ["--enable-memory-saver"], None),  # no graph memory released: bcg runs
+    # sizes no prefill step reaches: refused before any scheduler starts, not inside its traceback
+    ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "2048"], "BCG_SIZES has [4096] above 2048"),
+    ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "2048", "--tp-size", "3"], "BCG_SIZES has [4096] above 2052"),
+    ({"BCG_SIZES": "16,2048"}, ["--chunked-prefill-size", "2048"], None),
     ({}, [], None),
 ])
 def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, config_error_line, env, args, message):
@@ -914,6 +918,26 @@ def test_a_refused_launch_leaves_no_bcg_enable_behind(fresh_launch, monkeypatch,
         fresh_launch.translate_server_args(args)
     assert "BCG_ENABLE" not in os.environ  # the processes this one starts next would inherit it
     assert args.cuda_graph_backend_prefill == "bcg"
+
+
+@pytest.mark.parametrize("user", [None, "0", "1"])
+def test_sizes_refused_once_resolved_give_bcg_enable_back_as_the_flag_found_it(fresh_launch, monkeypatch, user):
+    if user is not None:
+        monkeypatch.setenv("BCG_ENABLE", user)
+    monkeypatch.setenv("BCG_SIZES", "16,4096")
+    args = _flag_args("bcg")
+    fresh_launch.translate_server_args(args)
+    args.chunked_prefill_size, args.tp_size = 2048, 1
+    args.cuda_graph_config = types.SimpleNamespace(prefill=types.SimpleNamespace(max_bs=None))
+    with pytest.raises(BcgConfigError, match=r"BCG_SIZES has \[4096\] above 2048"):
+        fresh_launch.check_resolved_server_args(args)
+    assert os.environ.get("BCG_ENABLE") == user
+    again = _flag_args("bcg")  # SGLang's prefill graphs reach 4096 tokens: their ceiling is the step's
+    fresh_launch.translate_server_args(again)
+    again.chunked_prefill_size, again.tp_size = 2048, 1
+    again.cuda_graph_config = types.SimpleNamespace(prefill=types.SimpleNamespace(max_bs=4096))
+    fresh_launch.check_resolved_server_args(again)
+    assert os.environ.get("BCG_ENABLE") == "1"
 
 
 @pytest.mark.parametrize("user", [None, "1", "0"])

@@ -61,13 +61,61 @@ def translate_server_args(args) -> None:
         _set_by_flag = True
         logger.info("bcg: prefill CUDA graphs enabled (%s)", cfg.to_dict())
         return
+    _give_back_enable()
+    config.read_config()
+
+
+def _give_back_enable() -> None:
+    """``BCG_ENABLE`` as it was before the flag set it (unset, or the user's own value)."""
+    global _set_by_flag, _replaced
     if _set_by_flag:
         if _replaced is None:
             os.environ.pop(config.ENABLE_ENV, None)
         else:
             os.environ[config.ENABLE_ENV] = _replaced
         _set_by_flag, _replaced = False, None
-    config.read_config()
+
+
+def check_resolved_server_args(args) -> None:
+    """After SGLang resolved the launch's arguments: refuse explicit ``BCG_SIZES`` above the most
+    tokens one prefill step of this engine can hold, before any scheduler starts (each scheduler's
+    runner would refuse them too, but inside SGLang's start-up traceback). A refused launch gives
+    ``BCG_ENABLE`` back as the flag found it.
+
+    The bound is the prefill graphs' ceiling (``cuda_graph_config`` prefill ``max_bs``, else
+    ``--chunked-prefill-size``) rounded up to twice the TP size, the most SGLang pads a step's rows
+    to (two-batch overlap, times the attention-TP and attention-CP widths, which divide the TP size).
+    The scheduler's own top bucket is at most that (:func:`~bcg_plugin.adapters.sglang.replay.step_token_limit`
+    rounds the ceiling up to the layout's exact multiple, and the request pool may lower it), so this
+    check is never stricter than the scheduler's; it skips where the ceiling is not resolved here.
+    """
+    cfg = config.read_config()
+    if not cfg.active or not cfg.sizes:
+        return
+    resolved = args.resolved_dict() if hasattr(args, "resolved_dict") else None  # 0.5.20 on
+
+    def value(name: str):
+        return resolved[name] if resolved is not None else getattr(args, name, None)
+
+    graphs = value("cuda_graph_config")
+    prefill = graphs.get("prefill") if isinstance(graphs, dict) else getattr(graphs, "prefill", None)
+    max_bs = prefill.get("max_bs") if isinstance(prefill, dict) else getattr(prefill, "max_bs", None)
+    chunk = value("chunked_prefill_size")
+    if max_bs:
+        ceiling, named = int(max_bs), f"the prefill CUDA-graph max_bs {max_bs}"
+    elif isinstance(chunk, int) and chunk > 0:
+        ceiling, named = chunk, f"--chunked-prefill-size {chunk}"
+    else:
+        return
+    step = 2 * int(value("tp_size") or 1)
+    bound = -(-ceiling // step) * step
+    too_big = [s for s in cfg.sizes if s > bound]
+    if too_big:
+        _give_back_enable()
+        raise BcgConfigError(
+            f"BCG_SIZES has {too_big} above {bound}, more tokens than one prefill step of this engine holds "
+            f"({named}); drop those sizes, or raise {'max_bs' if max_bs else '--chunked-prefill-size'}"
+        )
 
 
 def sglang_default(args) -> None:

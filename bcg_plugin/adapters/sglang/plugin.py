@@ -62,6 +62,7 @@ def calls() -> dict[str, Any]:
     return {
         "flag_value": config.FLAG_VALUE,
         "translate_server_args": translate_server_args,
+        "check_resolved_server_args": check_resolved_server_args,
         "prefill_runner_factory": replay.prefill_runner_factory,
         "dp_prefill_vote": replay.dp_prefill_vote,
         "capturing": attention.capturing,
@@ -80,6 +81,17 @@ def translate_server_args(args: Any) -> None:
             launch.translate_server_args(args)
         else:
             launch.sglang_default(args)
+    except BcgConfigError:
+        one_line_if_uncaught()
+        raise
+
+
+def check_resolved_server_args(args: Any) -> None:
+    """What the same patch does once SGLang resolved the arguments: refuse ``BCG_SIZES`` that no
+    prefill step of this engine reaches, with one line on SGLang's command line."""
+    try:
+        if is_active():
+            launch.check_resolved_server_args(args)
     except BcgConfigError:
         one_line_if_uncaught()
         raise
