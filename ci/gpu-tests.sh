@@ -15,8 +15,8 @@
 # the fa3 backend, SGLang's default on Hopper, with the default BCG_ATTENTION=auto, inside the
 # buckets up to 1024 tokens and breaking above (a chunk of 2048, so that some break), against full
 # graphs of those buckets, and some graph buckets' break variants (a step of more requests than the
-# slots); sglang-fa3-host-slots the same at SGLang's own request slots (4 at that chunk), where
-# the break variants serve the workload's larger steps; sglang-fa3-graph fa3 with attention inside
+# slots); sglang-fa3-host-slots the same at SGLang's own request slots (4 at that chunk), the
+# count an engine gets by default; sglang-fa3-graph fa3 with attention inside
 # every bucket, against SGLang's own full prefill graphs; sglang-fa3-break fa3 with attention
 # breaking, against eager)
 set -uo pipefail
