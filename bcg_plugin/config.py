@@ -36,8 +36,8 @@ class BcgConfig:
         sizes: an explicit bucket list replacing the reference ladder; every size must be
             ``<= max_tokens`` when both are given, and within the most tokens one host step can
             run (see ``max_tokens``; vLLM refuses larger sizes at engine start, SGLang those above
-            its chunk before any scheduler starts, and those above what its request pool holds in
-            the scheduler). Where the host splits a step's rows into equal shards (vLLM's sequence
+            its prefill graphs' ceiling, its chunk by default, before any scheduler starts, and
+            those above what its request pool holds in the scheduler). Where the host splits a step's rows into equal shards (vLLM's sequence
             parallelism; SGLang where it scatters them between attention-TP ranks), each bucket,
             listed or from the ladder, is rounded up to a multiple of their count (the top one
             down, within ``max_tokens``: a step padded past it runs eagerly).

@@ -872,6 +872,7 @@ LAUNCH_WITH_BCG = textwrap.dedent(
     ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "2048"], "BCG_SIZES has [4096] above 2048"),
     ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "2048", "--tp-size", "3"], "BCG_SIZES has [4096] above 2052"),
     ({"BCG_SIZES": "16,2048"}, ["--chunked-prefill-size", "2048"], None),
+    ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "-1"], None),  # chunked prefill off: no ceiling
     ({}, [], None),
 ])
 def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, config_error_line, env, args, message):
@@ -920,24 +921,48 @@ def test_a_refused_launch_leaves_no_bcg_enable_behind(fresh_launch, monkeypatch,
     assert args.cuda_graph_backend_prefill == "bcg"
 
 
-@pytest.mark.parametrize("user", [None, "0", "1"])
-def test_sizes_refused_once_resolved_give_bcg_enable_back_as_the_flag_found_it(fresh_launch, monkeypatch, user):
-    if user is not None:
-        monkeypatch.setenv("BCG_ENABLE", user)
-    monkeypatch.setenv("BCG_SIZES", "16,4096")
-    args = _flag_args("bcg")
-    fresh_launch.translate_server_args(args)
-    args.chunked_prefill_size, args.tp_size = 2048, 1
-    args.cuda_graph_config = types.SimpleNamespace(prefill=types.SimpleNamespace(max_bs=None))
-    with pytest.raises(BcgConfigError, match=r"BCG_SIZES has \[4096\] above 2048"):
-        fresh_launch.check_resolved_server_args(args)
-    assert os.environ.get("BCG_ENABLE") == user
-    again = _flag_args("bcg")  # SGLang's prefill graphs reach 4096 tokens: their ceiling is the step's
-    fresh_launch.translate_server_args(again)
-    again.chunked_prefill_size, again.tp_size = 2048, 1
-    again.cuda_graph_config = types.SimpleNamespace(prefill=types.SimpleNamespace(max_bs=4096))
-    fresh_launch.check_resolved_server_args(again)
-    assert os.environ.get("BCG_ENABLE") == "1"
+FAILED_LAUNCH = textwrap.dedent(
+    """
+    import json, os, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    argv = ["--model-path", sys.argv[1], "--skip-tokenizer-init", "--load-format", "dummy", "--device", "cpu",
+            "--cuda-graph-backend-prefill", "bcg", *sys.argv[2:]]
+    out, args = {}, None
+    try:
+        args = prepare_server_args(argv)
+        if hasattr(args, "resolve_once"):
+            args.resolve_once()
+        out["error"] = None
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["env"] = os.environ.get("BCG_ENABLE")
+    if args is not None and out["error"] is not None:  # the record a refused resolution leaves (0.5.19 on)
+        try:
+            args.resolve_once()
+            out["again"] = "resolved"
+        except Exception as e:
+            out["again"] = str(e)
+    print("SCENARIO " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("user", [None, "0"])
+@pytest.mark.parametrize("env, args, error", [
+    ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "2048"], "BcgConfigError: BCG_SIZES has [4096] above 2048"),
+    ({}, ["--tp-size", "3", "--dp-size", "2", "--enable-dp-attention"], "AssertionError"),  # SGLang's own refusal
+])
+def test_a_launch_whose_resolution_fails_gives_bcg_enable_back(model_dir, user, env, args, error):
+    """After the flag set ``BCG_ENABLE``, a resolution that fails (bcg's sizes check, or SGLang's
+    own) gives it back as the flag found it, for the processes this one starts next; a record
+    bcg refused is marked failed, as SGLang marks its own, so it cannot launch without bcg later."""
+    out = run_scenario(model_dir, *args, scenario=FAILED_LAUNCH, **env, **({"BCG_ENABLE": user} if user else {}))
+    assert out["error"] is not None and out["error"].startswith(error), out
+    assert out["env"] == user, out
+    if "again" in out:
+        assert "already failed" in out["again"], out
 
 
 @pytest.mark.parametrize("user", [None, "1", "0"])

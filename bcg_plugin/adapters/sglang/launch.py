@@ -61,12 +61,13 @@ def translate_server_args(args) -> None:
         _set_by_flag = True
         logger.info("bcg: prefill CUDA graphs enabled (%s)", cfg.to_dict())
         return
-    _give_back_enable()
+    give_back_enable()
     config.read_config()
 
 
-def _give_back_enable() -> None:
-    """``BCG_ENABLE`` as it was before the flag set it (unset, or the user's own value)."""
+def give_back_enable() -> None:
+    """``BCG_ENABLE`` as it was before the flag set it (unset, or the user's own value): for a launch
+    without the flag, and for one whose resolution failed after the flag set it."""
     global _set_by_flag, _replaced
     if _set_by_flag:
         if _replaced is None:
@@ -77,44 +78,51 @@ def _give_back_enable() -> None:
 
 
 def check_resolved_server_args(args) -> None:
-    """After SGLang resolved the launch's arguments: refuse explicit ``BCG_SIZES`` above the most
-    tokens one prefill step of this engine can hold, before any scheduler starts (each scheduler's
-    runner would refuse them too, but inside SGLang's start-up traceback). A refused launch gives
-    ``BCG_ENABLE`` back as the flag found it.
+    """After SGLang resolved the launch's arguments: refuse explicit ``BCG_SIZES`` above what
+    SGLang's prefill graphs of this engine reach, before any scheduler starts (each scheduler's
+    runner would refuse them too, but inside SGLang's start-up traceback).
 
-    The bound is the prefill graphs' ceiling (``cuda_graph_config`` prefill ``max_bs``, else
-    ``--chunked-prefill-size``) rounded up to twice the TP size, the most SGLang pads a step's rows
-    to (two-batch overlap, times the attention-TP and attention-CP widths, which divide the TP size).
-    The scheduler's own top bucket is at most that (:func:`~bcg_plugin.adapters.sglang.replay.step_token_limit`
-    rounds the ceiling up to the layout's exact multiple, and the request pool may lower it), so this
-    check is never stricter than the scheduler's; it skips where the ceiling is not resolved here.
+    The bound is SGLang's prefill graph ceiling (the resolved prefill ``max_bs``, which
+    ``--cuda-graph-max-bs-prefill`` sets and which defaults to the chunked-prefill size less what
+    the layout caps; else the chunk itself) rounded up to twice the TP size, the most SGLang pads a
+    step's rows to (two-batch overlap, times the attention-TP and attention-CP widths, which divide
+    the TP size). The scheduler's top bucket is at most that
+    (:func:`~bcg_plugin.adapters.sglang.replay.step_token_limit` rounds the ceiling up to the
+    layout's exact multiple, and the request pool may lower it), so this check is never stricter.
+    It skips where no ceiling is resolved here: chunked prefill off (SGLang then captures no prefill
+    graph), or a record not yet resolved (0.5.19, whose ``__post_init__`` leaves it raw). Sizes that
+    can never replay are refused even where SGLang then declines prefill graphs for other reasons.
     """
     cfg = config.read_config()
     if not cfg.active or not cfg.sizes:
         return
-    resolved = args.resolved_dict() if hasattr(args, "resolved_dict") else None  # 0.5.20 on
+    if hasattr(args, "resolve_once") and not getattr(args, "_resolution_finished", False):
+        return
+    resolved = args.resolved_dict() if hasattr(args, "resolved_dict") else None  # 0.5.19 on
 
     def value(name: str):
         return resolved[name] if resolved is not None else getattr(args, name, None)
 
+    def number(raw) -> int:
+        return raw if isinstance(raw, int) and raw > 0 else 0
+
     graphs = value("cuda_graph_config")
     prefill = graphs.get("prefill") if isinstance(graphs, dict) else getattr(graphs, "prefill", None)
-    max_bs = prefill.get("max_bs") if isinstance(prefill, dict) else getattr(prefill, "max_bs", None)
-    chunk = value("chunked_prefill_size")
-    if max_bs:
-        ceiling, named = int(max_bs), f"the prefill CUDA-graph max_bs {max_bs}"
-    elif isinstance(chunk, int) and chunk > 0:
-        ceiling, named = chunk, f"--chunked-prefill-size {chunk}"
-    else:
+    ceiling = number(prefill.get("max_bs") if isinstance(prefill, dict) else getattr(prefill, "max_bs", None))
+    chunk = number(value("chunked_prefill_size"))
+    if not ceiling and not chunk:
         return
     step = 2 * int(value("tp_size") or 1)
-    bound = -(-ceiling // step) * step
+    bound = -(-(ceiling or chunk) // step) * step
     too_big = [s for s in cfg.sizes if s > bound]
     if too_big:
-        _give_back_enable()
+        settings = f"--chunked-prefill-size {chunk}" if chunk else "chunked prefill off"
+        if ceiling:
+            settings = f"prefill graphs up to {ceiling} tokens; {settings}"
         raise BcgConfigError(
-            f"BCG_SIZES has {too_big} above {bound}, more tokens than one prefill step of this engine holds "
-            f"({named}); drop those sizes, or raise {'max_bs' if max_bs else '--chunked-prefill-size'}"
+            f"BCG_SIZES has {too_big} above {bound}, the most tokens SGLang's prefill graphs of this engine "
+            f"reach ({settings}); drop those sizes, or raise --chunked-prefill-size (and "
+            "--cuda-graph-max-bs-prefill where it is set)"
         )
 
 

@@ -63,6 +63,7 @@ def calls() -> dict[str, Any]:
         "flag_value": config.FLAG_VALUE,
         "translate_server_args": translate_server_args,
         "check_resolved_server_args": check_resolved_server_args,
+        "launch_failed": launch.give_back_enable,
         "prefill_runner_factory": replay.prefill_runner_factory,
         "dp_prefill_vote": replay.dp_prefill_vote,
         "capturing": attention.capturing,

@@ -10,11 +10,15 @@ from bcg_plugin.patches._patch import NOT_FILED, Patch
 from bcg_plugin.patches.sglang._hook import Hook
 
 
-def make(*, translate_server_args, check_resolved_server_args):
+def make(*, translate_server_args, check_resolved_server_args, launch_failed):
     def around_post_init(original_fn, self, *args, **kwargs):
         translate_server_args(self)
-        result = original_fn(self, *args, **kwargs)
-        check_resolved_server_args(self)
+        try:
+            result = original_fn(self, *args, **kwargs)
+            check_resolved_server_args(self)
+        except BaseException:
+            launch_failed()
+            raise
         return result
 
     return around_post_init
@@ -26,8 +30,9 @@ PATCH = Patch(
     make=make,
     reason="translate `bcg` to SGLang's auto prefill backend plus `BCG_ENABLE=1` (inherited by spawned "
            "schedulers), or to SGLang's default backend alone where the plugin is off (an unsupported "
-           "SGLang); validate `BCG_*` before any process is spawned, and once resolved refuse `BCG_SIZES` "
-           "above the prefill step's ceiling (the chunk); refuse `bcg` for decode",
+           "SGLang); validate `BCG_*` before any process is spawned, and once resolved (0.5.17, 0.5.18) "
+           "refuse `BCG_SIZES` above what the prefill graphs reach; a failed resolution gives "
+           "`BCG_ENABLE` back; refuse `bcg` for decode",
     hosts=">=0.5.17,<0.5.20",
     upstream=NOT_FILED,
     remove_when="SGLang accepts plugin-defined prefill graph backends",

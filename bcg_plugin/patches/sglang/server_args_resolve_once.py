@@ -14,13 +14,22 @@ from bcg_plugin.patches._patch import NOT_FILED, Patch
 from bcg_plugin.patches.sglang._hook import Hook
 
 
-def make(*, translate_server_args, check_resolved_server_args):
+def make(*, translate_server_args, check_resolved_server_args, launch_failed):
     def around_resolve_once(original_fn, self, *args, **kwargs):
         if getattr(self, "_resolution_finished", False):
             return original_fn(self, *args, **kwargs)
         translate_server_args(self)
-        result = original_fn(self, *args, **kwargs)
-        check_resolved_server_args(self)
+        try:
+            result = original_fn(self, *args, **kwargs)
+            try:
+                check_resolved_server_args(self)
+            except BaseException:
+                # A failed resolution, as SGLang marks its own: the record cannot launch or resolve again.
+                self._resolution_finished, self._resolution_failed = False, True
+                raise
+        except BaseException:
+            launch_failed()
+            raise
         return result
 
     return around_resolve_once
@@ -32,8 +41,9 @@ PATCH = Patch(
     make=make,
     reason="translate `bcg` to SGLang's auto prefill backend plus `BCG_ENABLE=1` (inherited by spawned "
            "schedulers), or to SGLang's default backend alone where the plugin is off; validate `BCG_*` "
-           "before any process is spawned, and once resolved refuse `BCG_SIZES` above the prefill "
-           "step's ceiling (the chunk); refuse `bcg` for decode (retires the `__post_init__` hook from "
+           "before any process is spawned, and once resolved refuse `BCG_SIZES` above what the prefill "
+           "graphs reach (a refused record is marked failed, as SGLang marks its own); a failed "
+           "resolution gives `BCG_ENABLE` back; refuse `bcg` for decode (retires the `__post_init__` hook from "
            "0.5.20, where `ServerArgs` is a msgspec struct that never calls a patched `__post_init__`)",
     hosts=">=0.5.20,<0.5.24",
     upstream=NOT_FILED,
