@@ -37,10 +37,11 @@ class BcgConfig:
             ``<= max_tokens`` when both are given, and within the most tokens one host step can
             run (see ``max_tokens``; vLLM refuses larger sizes at engine start, SGLang those above
             its prefill graphs' ceiling, its chunk by default, before any scheduler starts, and
-            those above what its request pool holds in the scheduler). Where the host splits a step's rows into equal shards (vLLM's sequence
-            parallelism; SGLang where it scatters them between attention-TP ranks), each bucket,
-            listed or from the ladder, is rounded up to a multiple of their count (the top one
-            down, within ``max_tokens``: a step padded past it runs eagerly).
+            those above what its request pool holds in the scheduler). Where the host splits a
+            step's rows into equal shards (vLLM's sequence parallelism; SGLang where it scatters
+            them between attention-TP ranks), each bucket, listed or from the ladder, is rounded
+            up to a multiple of their count (the top one down, within ``max_tokens``: a step
+            padded past it runs eagerly).
         max_padding_ratio: replay only when ``bucket <= ratio * num_tokens``; above it the padded
             tail costs more than the launches a graph saves (pitfall 11). ``None``: always.
         capture_failure: ``"eager"`` keeps the engine serving eagerly (agreed by every rank) when a

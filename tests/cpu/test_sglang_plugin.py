@@ -59,8 +59,9 @@ RUNTIME_TARGETS = for_installed([
     }),
 ])
 LAUNCH_TARGETS = for_installed([
-    ("<0.5.20", {"sglang.srt.server_args.ServerArgs.__post_init__"}),
-    (">=0.5.20", {"sglang.srt.server_args.ServerArgs.add_cli_args", "sglang.srt.server_args.ServerArgs.resolve_once"}),
+    ("<0.5.19", {"sglang.srt.server_args.ServerArgs.__post_init__"}),
+    (">=0.5.19", {"sglang.srt.server_args.ServerArgs.resolve_once"}),
+    (">=0.5.20", {"sglang.srt.server_args.ServerArgs.add_cli_args"}),
 ])
 # Rebinds and in-place wraps, not hooks.
 BACKENDS_TARGETS = for_installed([("<0.5.20", {"sglang.srt.model_executor.cuda_graph_config.Backend.ALL"})])
@@ -873,6 +874,9 @@ LAUNCH_WITH_BCG = textwrap.dedent(
     ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "2048", "--tp-size", "3"], "BCG_SIZES has [4096] above 2052"),
     ({"BCG_SIZES": "16,2048"}, ["--chunked-prefill-size", "2048"], None),
     ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "-1"], None),  # chunked prefill off: no ceiling
+    ({"BCG_SIZES": "16,4096"}, ["--chunked-prefill-size", "-1", "--cuda-graph-max-bs-prefill", "1024"],
+     "above 1024, the most tokens SGLang's prefill graphs of this engine reach (prefill graphs up to 1024 tokens; "
+     "chunked prefill off); drop those sizes, or raise --cuda-graph-max-bs-prefill"),
     ({}, [], None),
 ])
 def test_a_bad_value_stops_sglangs_command_line_with_one_line(model_dir, config_error_line, env, args, message):

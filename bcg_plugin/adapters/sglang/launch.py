@@ -89,9 +89,9 @@ def check_resolved_server_args(args) -> None:
     the TP size). The scheduler's top bucket is at most that
     (:func:`~bcg_plugin.adapters.sglang.replay.step_token_limit` rounds the ceiling up to the
     layout's exact multiple, and the request pool may lower it), so this check is never stricter.
-    It skips where no ceiling is resolved here: chunked prefill off (SGLang then captures no prefill
-    graph), or a record not yet resolved (0.5.19, whose ``__post_init__`` leaves it raw). Sizes that
-    can never replay are refused even where SGLang then declines prefill graphs for other reasons.
+    It skips where no ceiling is resolved: chunked prefill off without a prefill ``max_bs`` (SGLang
+    then captures no prefill graph), or a record not yet resolved. Sizes that can never replay are
+    refused even where SGLang then declines prefill graphs for other reasons.
     """
     cfg = config.read_config()
     if not cfg.active or not cfg.sizes:
@@ -116,13 +116,16 @@ def check_resolved_server_args(args) -> None:
     bound = -(-(ceiling or chunk) // step) * step
     too_big = [s for s in cfg.sizes if s > bound]
     if too_big:
-        settings = f"--chunked-prefill-size {chunk}" if chunk else "chunked prefill off"
+        if chunk:
+            settings = f"--chunked-prefill-size {chunk}"
+            raise_ = "--chunked-prefill-size (and --cuda-graph-max-bs-prefill where it is set)"
+        else:
+            settings, raise_ = "chunked prefill off", "--cuda-graph-max-bs-prefill"
         if ceiling:
             settings = f"prefill graphs up to {ceiling} tokens; {settings}"
         raise BcgConfigError(
             f"BCG_SIZES has {too_big} above {bound}, the most tokens SGLang's prefill graphs of this engine "
-            f"reach ({settings}); drop those sizes, or raise --chunked-prefill-size (and "
-            "--cuda-graph-max-bs-prefill where it is set)"
+            f"reach ({settings}); drop those sizes, or raise {raise_}"
         )
 
 

@@ -74,9 +74,10 @@ def calls() -> dict[str, Any]:
 
 
 def translate_server_args(args: Any) -> None:
-    """What the ``ServerArgs.__post_init__`` patch does with the flag: bcg's switch where bcg runs,
-    SGLang's default prefill backend where the plugin is off. A bad value stops SGLang's command line
-    with one line (:func:`~bcg_plugin.errors.one_line_if_uncaught`)."""
+    """What the launch hooks (``ServerArgs.resolve_once``, ``__post_init__`` before 0.5.19) do with
+    the flag: bcg's switch where bcg runs, SGLang's default prefill backend where the plugin is off.
+    A bad value stops SGLang's command line with one line
+    (:func:`~bcg_plugin.errors.one_line_if_uncaught`)."""
     try:
         if is_active():
             launch.translate_server_args(args)
@@ -88,8 +89,8 @@ def translate_server_args(args: Any) -> None:
 
 
 def check_resolved_server_args(args: Any) -> None:
-    """What the same patch does once SGLang resolved the arguments: refuse ``BCG_SIZES`` that no
-    prefill step of this engine reaches, with one line on SGLang's command line."""
+    """What the launch hooks do once SGLang resolved the arguments: refuse ``BCG_SIZES`` that no
+    prefill graph of this engine reaches, with one line on SGLang's command line."""
     try:
         if is_active():
             launch.check_resolved_server_args(args)

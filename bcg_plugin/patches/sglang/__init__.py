@@ -27,7 +27,7 @@ from bcg_plugin.patches.sglang import (
 )
 
 HOST = "sglang"  # the distribution whose version the patches are checked against
-# Every SGLang release the descriptors below cover; CI checks three of them against the real package.
+# Every SGLang release the descriptors below cover; CI checks four of them against the real package.
 GATE = HostGate(HOST, ">=0.5.17,<0.5.24", (
     "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"))
 SUPPORTED = GATE.supported

@@ -1,9 +1,10 @@
 """``ServerArgs.resolve_once``: turn ``cuda_graph_backend_prefill="bcg"`` into bcg's switch.
 
-From SGLang 0.5.20 ``ServerArgs`` is a ``msgspec`` struct, which binds ``__post_init__`` when the
-class is built: a hook on it (:mod:`bcg_plugin.patches.sglang.server_args_post_init`, which this
-retires there) is never called. Resolution is where SGLang now turns the operator's record into a
-configuration, once per engine in the launching process (CLI and ``sglang.Engine``) before any
+From SGLang 0.5.19 resolution is a step of its own, after construction, and from 0.5.20
+``ServerArgs`` is a ``msgspec`` struct, which binds ``__post_init__`` when the class is built: a
+hook on it (:mod:`bcg_plugin.patches.sglang.server_args_post_init`, which this retires from 0.5.19)
+would see the record unresolved, and from 0.5.20 is never called. Resolution is where SGLang turns
+the operator's record into a configuration, once per engine in the launching process (CLI and ``sglang.Engine``) before any
 scheduler is spawned, so the ``BCG_*`` environment the adapter's translation sets is inherited by
 every scheduler. The translation runs before SGLang seals the record for resolution.
 """
@@ -44,8 +45,9 @@ PATCH = Patch(
            "before any process is spawned, and once resolved refuse `BCG_SIZES` above what the prefill "
            "graphs reach (a refused record is marked failed, as SGLang marks its own); a failed "
            "resolution gives `BCG_ENABLE` back; refuse `bcg` for decode (retires the `__post_init__` hook from "
-           "0.5.20, where `ServerArgs` is a msgspec struct that never calls a patched `__post_init__`)",
-    hosts=">=0.5.20,<0.5.24",
+           "0.5.19, whose `__post_init__` leaves the record unresolved; from 0.5.20 `ServerArgs` is a msgspec "
+           "struct that never calls a patched `__post_init__`)",
+    hosts=">=0.5.19,<0.5.24",
     upstream=NOT_FILED,
     remove_when="SGLang accepts plugin-defined prefill graph backends",
 )
