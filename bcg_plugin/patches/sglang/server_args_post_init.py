@@ -30,8 +30,9 @@ PATCH = Patch(
     make=make,
     reason="translate `bcg` to SGLang's auto prefill backend plus `BCG_ENABLE=1` (inherited by spawned "
            "schedulers), or to SGLang's default backend alone where the plugin is off (an unsupported "
-           "SGLang); validate `BCG_*` before any process is spawned, and once resolved refuse `BCG_SIZES` above what the prefill graphs reach; a failed resolution gives "
-           "`BCG_ENABLE` back; refuse `bcg` for decode",
+           "SGLang); validate `BCG_*` before any process is spawned, and once resolved refuse "
+           "`BCG_SIZES` above what the prefill graphs reach; a failed resolution gives `BCG_ENABLE` "
+           "back; refuse `bcg` for decode",
     hosts=">=0.5.17,<0.5.19",
     upstream=NOT_FILED,
     remove_when="SGLang accepts plugin-defined prefill graph backends",

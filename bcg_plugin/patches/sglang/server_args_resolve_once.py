@@ -4,9 +4,10 @@ From SGLang 0.5.19 resolution is a step of its own, after construction, and from
 ``ServerArgs`` is a ``msgspec`` struct, which binds ``__post_init__`` when the class is built: a
 hook on it (:mod:`bcg_plugin.patches.sglang.server_args_post_init`, which this retires from 0.5.19)
 would see the record unresolved, and from 0.5.20 is never called. Resolution is where SGLang turns
-the operator's record into a configuration, once per engine in the launching process (CLI and ``sglang.Engine``) before any
-scheduler is spawned, so the ``BCG_*`` environment the adapter's translation sets is inherited by
-every scheduler. The translation runs before SGLang seals the record for resolution.
+the operator's record into a configuration, once per engine in the launching process (CLI and
+``sglang.Engine``) before any scheduler is spawned, so the ``BCG_*`` environment the adapter's
+translation sets is inherited by every scheduler. The translation runs before SGLang seals the
+record for resolution.
 """
 
 from __future__ import annotations
