@@ -90,13 +90,14 @@ def check_resolved_server_args(args) -> None:
     (:func:`~bcg_plugin.adapters.sglang.replay.step_token_limit` rounds the ceiling up to the
     layout's exact multiple, and the request pool may lower it), so this check is never stricter.
     It skips where no ceiling is resolved: chunked prefill off without a prefill ``max_bs`` (SGLang
-    then captures no prefill graph), or a record not yet resolved. Sizes that can never replay are
-    refused even where SGLang then declines prefill graphs for other reasons.
+    then captures no prefill graph). Sizes that can never replay are refused even where SGLang then
+    declines prefill graphs for other reasons. The launch hooks call it once SGLang has resolved the
+    record (after ``resolve_once``, or before 0.5.19 after ``__post_init__``, which resolved it).
     """
+    from sglang.srt.utils.common import ceil_align
+
     cfg = config.read_config()
     if not cfg.active or not cfg.sizes:
-        return
-    if hasattr(args, "resolve_once") and not getattr(args, "_resolution_finished", False):
         return
     resolved = args.resolved_dict() if hasattr(args, "resolved_dict") else None  # 0.5.19 on
 
@@ -112,8 +113,7 @@ def check_resolved_server_args(args) -> None:
     chunk = number(value("chunked_prefill_size"))
     if not ceiling and not chunk:
         return
-    step = 2 * int(value("tp_size") or 1)
-    bound = -(-(ceiling or chunk) // step) * step
+    bound = ceil_align(ceiling or chunk, 2 * int(value("tp_size") or 1))
     too_big = [s for s in cfg.sizes if s > bound]
     if too_big:
         if chunk:
