@@ -5,7 +5,7 @@ Each engine's per-mode script (:mod:`bcg_bench.vllm_mode`, :mod:`bcg_bench.sglan
 ``e2e_ms`` and ``forward_ms`` (N -> ms), ``init_s``, ``capture_s`` and ``graph_mem_gib``; where
 the mode measured them, ``forward_host_ms``, ``step_ms`` and the request phases
 (:data:`bcg_bench.sglang_mode.PHASES`), ``weight_bytes``, ``vocab_weight_bytes`` and
-``copy_bandwidth_gbs`` (read by :func:`weight_floor` and :func:`break_cost`). This
+``copy_bandwidth_gbs`` (read by :func:`bcg_bench.targets.weight_floor` and :func:`break_cost`). This
 module runs the modes back to back, stamps the run (engine version, model shape, parallel layout,
 GPU, date) and writes
 ``<engine>-<model>[-tpN][-dpN]-<UTC date and time>.{json,md,png}``.
@@ -432,28 +432,16 @@ def _break_cost_section(engine: str, mode: str | None, per_break: dict[str, floa
             *_table(list(per_break), {"µs per break": {n: v * 1e3 for n, v in per_break.items()}}, 1), ""]
 
 
-FLOOR_MAX_TOKENS = 128  # the sizes whose forward the weight reads bound (a dense model's target)
-
-
-def weight_floor(data: dict) -> float | None:
-    """The mode's weight-read floor in ms: the weights a forward reads (every parameter but the
-    vocabulary tables) at the device-copy rate its process measured; ``None`` unless it measured both."""
-    weights, vocab, rate = (data.get(k) for k in ("weight_bytes", "vocab_weight_bytes", "copy_bandwidth_gbs"))
-    if not weights or not rate:
-        return None
-    return (weights - (vocab or 0)) / (rate * 1e9) * 1e3
-
-
 def _weight_floor_section(good: dict, sizes: list[str]) -> list[str]:
-    floors = {m: f for m, d in good.items() if (f := weight_floor(d)) is not None and d.get("forward_ms")}
-    small = [n for n in sizes if int(n) <= FLOOR_MAX_TOKENS]
+    floors = {m: f for m, d in good.items() if (f := targets.weight_floor(d)) is not None and d.get("forward_ms")}
+    small = [n for n in sizes if int(n) <= targets.FLOOR_MAX_TOKENS]
     if not floors or not small:
         return []
     lines = ["## Model forward over the weight-read floor", "",
              "At a few tokens a forward is bound by reading the weights once: the floor is the bytes of every "
              "weight the forward reads (the embedding and LM head tables left out) at the rate a 1 GiB "
              "device-to-device copy moved memory (read plus written) in the same process. Target on the 8B "
-             "shape: <= 1.25 at every N <= 128.", "",
+             f"shape: <= {targets.FLOOR_LIMIT:g} at every N <= {targets.FLOOR_MAX_TOKENS}.", "",
              "| mode | weights read GB | copy GB/s | floor ms |", "|---|---|---|---|"]
     for m, floor in floors.items():
         d = good[m]

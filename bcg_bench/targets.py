@@ -7,7 +7,8 @@ within one round (:mod:`bcg_bench.paired`), and its worst over those sizes; it n
 ``MIN_PAIRS`` rounds in which both modes measured every size it covers. A scalar target (seconds,
 memory) divides the two modes' figures as the result merged them over its rounds. A target whose
 modes, sizes or rounds are missing from the run reads "not measured", never "met". The targets are
-set for one model on one GPU: a run of another model or layout is not checked against them.
+set for two model shapes on one GPU, the larger also against the weight-read floor: a run of another
+model or layout is not checked against them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Target:
 
 MIN_PAIRS = 3  # rounds both modes of a latency target must have measured in
 SMALL_N = range(513)  # "N <= 512"
+FLOOR_MAX_TOKENS = 128  # the sizes whose forward the weight reads bound (a dense model's target)
+FLOOR_LIMIT = 1.25  # the forward over its weight-read floor, on the shape whose forward reads weights long enough
 
 
 def _measured(data: dict) -> set[int]:
@@ -73,6 +76,26 @@ def _scalar_ratio(modes: dict, key: str, mode: str, other: str, positive: bool =
     return a / b
 
 
+def weight_floor(data: dict) -> float | None:
+    """The mode's weight-read floor in ms: the weights a forward reads (every parameter but the
+    vocabulary tables) at the device-copy rate its process measured; ``None`` unless it measured both."""
+    weights, vocab, rate = (data.get(k) for k in ("weight_bytes", "vocab_weight_bytes", "copy_bandwidth_gbs"))
+    if not weights or not rate:
+        return None
+    return (weights - (vocab or 0)) / (rate * 1e9) * 1e3
+
+
+def _over_floor(modes: dict, mode: str) -> float | None:
+    """The worst N <= ``FLOOR_MAX_TOKENS`` of ``mode``'s forward (CUDA events, as the run merged its
+    rounds) over its weight-read floor; ``None`` where the mode lacks the floor or any such N."""
+    data = modes.get(mode) or {}
+    floor, forward = weight_floor(data), data.get("forward_ms") or {}
+    small = [n for n in _measured(data) if n <= FLOOR_MAX_TOKENS]
+    if floor is None or not small or any(forward.get(str(n)) is None for n in small):
+        return None
+    return max(forward[str(n)] for n in small) / floor
+
+
 def _per_bucket(modes: dict, mode: str) -> float | None:
     """bcg's own capture seconds in ``mode`` over the buckets it captured (``bcg_capture_s`` and
     ``bcg_buckets``, which results before they were recorded lack); ``capture_s`` also holds the
@@ -82,7 +105,11 @@ def _per_bucket(modes: dict, mode: str) -> float | None:
     return seconds / buckets if seconds is not None and buckets else None
 
 
-TARGET_MODEL = "qwen3-0.6b"  # the model shape the targets are set for, on one GPU
+# The model shapes the targets are set for, on one GPU, by name as the bench knows them; the
+# weight-read floor target is set for the larger only (the smaller's forward at a few tokens is
+# bound by kernel launches, not by its 1.2 GB of weights).
+TARGET_MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-8b": "Qwen3-8B"}
+FLOOR_MODELS = ("qwen3-8b",)
 TARGET_GPU = "H200"  # the GPU the limits are set on: a run elsewhere is read against them, and says so
 
 # The vLLM adapter's configurations, each read against every latency and capture target: plain
@@ -134,38 +161,55 @@ def _sglang_targets(mode: str) -> list[Target]:
     ]
 
 
+def _floor_target(mode: str) -> Target:
+    return Target(f"{mode} forward / weight-read floor (N <= {FLOOR_MAX_TOKENS})", FLOOR_LIMIT,
+                  lambda m: _over_floor(m, mode), subject=mode)
+
+
 CONFIGURATIONS: dict[str, dict[str, str]] = {"vllm": VLLM_CONFIGURATIONS, "sglang": SGLANG_CONFIGURATIONS}
 
-TARGETS: dict[str, list[Target]] = {
-    "vllm": [t for mode in VLLM_CONFIGURATIONS for t in _vllm_targets(mode)],
-    "sglang": [t for mode in SGLANG_CONFIGURATIONS for t in _sglang_targets(mode)],
-}
+_ENGINE_TARGETS = {"vllm": _vllm_targets, "sglang": _sglang_targets}
+
+
+def targets_for(engine: str, model: str) -> list[Target]:
+    """``engine``'s targets for ``model``, each configuration's rows together; none for a model the
+    targets are not set for."""
+    if engine not in _ENGINE_TARGETS or model not in TARGET_MODELS:
+        return []
+    floor = model in FLOOR_MODELS
+    return [t for mode in CONFIGURATIONS[engine]
+            for t in (*_ENGINE_TARGETS[engine](mode), *([_floor_target(mode)] if floor else []))]
 
 FIGURES = (f"Latency figures: the worst N of the median over rounds of per-round paired ratios (at least "
            f"{MIN_PAIRS} rounds); scalar figures: each mode's minimum over rounds (seconds) or its first "
            "complete round (graph memory).")
+FLOOR_FIGURE = ("The weight-read floor's figure: the worst N of the forward (each N's fastest round) over the "
+                "floor its process measured.")
 
 
-def markdown(engine: str, modes: dict, model: str = TARGET_MODEL, parallel: dict | None = None,
+def markdown(engine: str, modes: dict, model: str = "qwen3-0.6b", parallel: dict | None = None,
              gpu: str | None = None) -> list[str]:
     """The targets table for a run of ``engine`` (empty if the engine has none).
 
-    A run of another model, or on several GPUs (``parallel``: sizes by name, as in the result
-    file), gets one line saying why it is not checked: a "yes" there would not be about the target.
-    A run on another GPU than the one the limits are set on is checked, its heading naming both.
+    A run of a model the targets are not set for, or on several GPUs (``parallel``: sizes by name,
+    as in the result file), gets one line saying why it is not checked: a "yes" there would not be
+    about the target. A run on another GPU than the one the limits are set on is checked, its
+    heading naming both.
     """
-    targets = TARGETS.get(engine, [])
-    if not targets:
+    if engine not in _ENGINE_TARGETS:
         return []
     layout = {k: v for k, v in (parallel or {}).items() if v > 1}
-    if model != TARGET_MODEL or layout:
+    targets = [] if layout else targets_for(engine, model)
+    if not targets:
         shape = ", ".join([model] + [f"{k} {v}" for k, v in layout.items()])
-        return ["## Targets", "", f"The targets are set for the {TARGET_MODEL} shape on one GPU; this run ({shape}) "
-                "is not checked against them.", ""]
-    heading = f"## Targets ({TARGET_GPU}, Qwen3-0.6B shape)"
+        return ["## Targets", "", f"The targets are set for the {' and '.join(TARGET_MODELS)} shapes on one GPU; "
+                f"this run ({shape}) is not checked against them.", ""]
+    name = TARGET_MODELS[model]
+    heading = f"## Targets ({TARGET_GPU}, {name} shape)"
     if gpu and TARGET_GPU not in gpu:
-        heading = f"## Targets (set for the {TARGET_GPU} and the Qwen3-0.6B shape; this run: {gpu})"
-    lines = [heading, "", FIGURES, "", "| target | limit | this run | met |",
+        heading = f"## Targets (set for the {TARGET_GPU} and the {name} shape; this run: {gpu})"
+    figures = f"{FIGURES} {FLOOR_FIGURE}" if model in FLOOR_MODELS else FIGURES
+    lines = [heading, "", figures, "", "| target | limit | this run | met |",
              "|---|---|---|---|"]
     by_subject: dict[str, list[tuple[Target, bool | None]]] = {}
     for t in targets:

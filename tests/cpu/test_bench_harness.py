@@ -9,6 +9,7 @@ import pytest
 
 from bcg_bench import harness
 from bcg_bench import report
+from bcg_bench import targets
 from bcg_bench.report import run_stamp
 
 
@@ -371,12 +372,47 @@ def test_every_n_is_every_n_the_configuration_measured():
 def test_targets_are_not_checked_for_another_model_or_several_gpus():
     modes = _vllm_modes()
     assert "| bcg / native (e2e, N <= 512) | <= 0.9 | 0.800 | yes |" in _targets("vllm", modes)
-    for model, parallel, shape in (("qwen3-8b", None, "qwen3-8b"),
+    for model, parallel, shape in (("qwen3-30b-a3b", None, "qwen3-30b-a3b"),
                                    ("qwen3-0.6b", {"tp": 2, "dp": 1}, "qwen3-0.6b, tp 2"),
+                                   ("qwen3-8b", {"tp": 2, "dp": 1}, "qwen3-8b, tp 2"),
                                    ("qwen3-30b-a3b", {"tp": 2, "dp": 2}, "qwen3-30b-a3b, tp 2, dp 2")):
         table = _targets("vllm", modes, model, parallel)
         assert "| yes |" not in table and "| target |" not in table
         assert f"this run ({shape}) is not checked against them" in table
+
+
+def _with_floor(modes: dict, forward: dict[str, float]) -> dict:
+    """``modes`` whose bcg configurations measured ``forward`` and a 3.5 ms floor (14 GB at 4 TB/s)."""
+    for mode in ("bcg", "bcg_compile"):
+        modes[mode].update(forward_ms=dict(forward), weight_bytes=16 * 10**9, vocab_weight_bytes=2 * 10**9,
+                           copy_bandwidth_gbs=4000.0)
+    return modes
+
+
+def test_the_8b_shape_is_checked_against_the_same_targets_and_the_weight_read_floor():
+    modes = _with_floor(_vllm_modes(), {"16": 4.2, "1024": 9.0})  # 1024 is past the floor's sizes
+    small = _targets("vllm", modes)
+    large = _targets("vllm", modes, "qwen3-8b")
+    assert large.startswith("## Targets (H200, Qwen3-8B shape)\n")
+    assert "| bcg / native (e2e, N <= 512) | <= 0.9 | 0.800 | yes |" in large  # the same rows as the 0.6B shape
+    assert "| bcg forward / weight-read floor (N <= 128) | <= 1.25 | 1.200 | yes |" in large
+    assert "| bcg_compile forward / weight-read floor (N <= 128) | <= 1.25 | 1.200 | yes |" in large
+    assert ("| bcg_compile_graph forward / weight-read floor (N <= 128) | <= 1.25 | not measured | - |"
+            in large)
+    assert "weight-read floor" not in small and "weight-read floor" in large.split("| target |")[0]
+    assert "- bcg (torch_compile false): 8 of 9 measured targets met" in large
+
+
+@pytest.mark.parametrize("change, figure", [
+    (lambda m: m["bcg"]["forward_ms"].update({"16": 4.9}), "1.400 | no"),  # past the limit
+    (lambda m: m["bcg"]["forward_ms"].pop("16"), "not measured | -"),  # an N measured end to end only
+    (lambda m: m["bcg"].update(copy_bandwidth_gbs=None), "not measured | -"),  # no bandwidth: no floor
+])
+def test_weight_read_floor_target_negative_controls(change, figure):
+    modes = _with_floor(_vllm_modes(), {"16": 4.2, "1024": 9.0})
+    change(modes)
+    assert f"| bcg forward / weight-read floor (N <= 128) | <= 1.25 | {figure} |" in _targets("vllm", modes,
+                                                                                               "qwen3-8b")
 
 
 def test_the_targets_heading_names_the_gpu_of_a_run_on_another_gpu_than_the_limits_are_set_on():
@@ -545,13 +581,13 @@ def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, 
     result = json.loads(path.read_text())
     data = result["modes"]["bcg_graph"]
     assert (data["weight_bytes"], data["vocab_weight_bytes"], data["copy_bandwidth_gbs"]) == (16e9, 2e9, 4000.0)
-    assert harness.weight_floor(data) == pytest.approx(3.5)  # 14 GB read at 4 TB/s
+    assert targets.weight_floor(data) == pytest.approx(3.5)  # 14 GB read at 4 TB/s
     section = harness.to_markdown(result).split("## Model forward over the weight-read floor", 1)[1]
     assert "| bcg_graph | 14.000 | 4000 | 3.500 |" in section
     assert "| 16 | 1.200 | 1.200 |" in section and "| 128 | 2.000 | 2.000 |" in section
     assert "| 256 |" not in section.split("\n##")[0]
     data["copy_bandwidth_gbs"] = None  # a mode that did not measure it (tp > 1) has no floor
-    assert harness.weight_floor(data) is None
+    assert targets.weight_floor(data) is None
 
 
 def test_a_result_names_the_plugin_release_and_the_commit_that_ran(monkeypatch):
