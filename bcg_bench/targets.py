@@ -180,6 +180,7 @@ def targets_for(engine: str, model: str) -> list[Target]:
     return [t for mode in CONFIGURATIONS[engine]
             for t in (*_ENGINE_TARGETS[engine](mode), *([_floor_target(mode)] if floor else []))]
 
+
 FIGURES = (f"Latency figures: the worst N of the median over rounds of per-round paired ratios (at least "
            f"{MIN_PAIRS} rounds); scalar figures: each mode's minimum over rounds (seconds) or its first "
            "complete round (graph memory).")
