@@ -33,7 +33,7 @@ They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
-  bcg's runner was built.
+  bcg's runner was built, and the rank's weight bytes (the weight-read floor's numerator).
 
 How they reach the schedulers: SGLang starts each scheduler (and, under DP attention, the DP
 controller that starts them) with multiprocessing *spawn*, calling ``Engine.run_scheduler_process_func``,
@@ -57,6 +57,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bcg_bench import weights
 from bcg_plugin.patches import NOT_FILED, Patch, PatchSet
 from bcg_plugin.patches.sglang import GATE, Hook
 
@@ -177,10 +178,23 @@ def around_stream_output(original_fn, self, reqs, *args, **kwargs):
     return out
 
 
+def _weight_bytes(model_runner: Any) -> tuple[int | None, int | None]:
+    """This rank's weight bytes and the part in its vocabulary tables (:func:`bcg_bench.weights.parameter_bytes`
+    with SGLang's ``VocabParallelEmbedding``, which its ``ParallelLMHead`` derives from); ``None``
+    where the runner holds no model."""
+    model = getattr(model_runner, "model", None)
+    if model is None or not callable(getattr(model, "parameters", None)):
+        return None, None
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return weights.parameter_bytes(model, (VocabParallelEmbedding,))
+
+
 def after_capture_prefill_graph(result, *args, **kwargs):
     path = record_path()
     if not path:
         return None
+    weight_bytes, vocab_weight_bytes = _weight_bytes(kwargs.get("model_runner", args[0] if args else None))
     runner = getattr(result, "runner", None)
     core = getattr(runner, "core", None)
     if core is not None:  # the forward timer reads which variant each replay ran in from its counters
@@ -201,6 +215,8 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "bcg_graph_variants": {str(b): list(v) for b, v in core.graph_variants.items()} if core is not None else None,
         # Layers whose KV-cache store the capture put in the segment before their break.
         "bcg_store_in_graph_layers": len(runner.host.stored_in_graph) if core is not None else None,
+        "weight_bytes": weight_bytes,
+        "vocab_weight_bytes": vocab_weight_bytes,
     })
     return None
 

@@ -75,6 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bcg_bench import weights
 from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.ranks import FileBarrier, free_port
@@ -89,7 +90,6 @@ BCG_MODES = {
     "bcg_compile": {"torch_compile": True},
     "bcg_compile_graph": {"torch_compile": True, "attention": "graph"},
 }
-COPY_BYTES = 2**30  # the device copy that measures the bandwidth of the weight-read floor
 # vLLM's data-parallel engine loop agrees that the wave is over only every this many steps
 # (EngineCore._has_global_unfinished_reqs in 0.26): the floor of a DP request's generate() time.
 DP_WAVE_MIN_STEPS = 32
@@ -355,7 +355,7 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         if ttft is not None:
             ttfts[n].append(ttft)
     device_used = used_device_bytes() if tp == 1 and dp == 1 else None  # before the profiled request
-    bandwidth = copy_bandwidth_gbs() if tp == 1 and dp == 1 else None  # after device_used: not the mode's memory
+    bandwidth = weights.copy_bandwidth_gbs() if tp == 1 and dp == 1 else None  # after device_used: not the mode's memory
     if timers.profiler is not None and tp == 1 and dp == 1:  # one extra request, in no median
         timers.profile_armed = True
         generate(timers.profiler.tokens)
@@ -432,46 +432,13 @@ def attention_problem(mode: str, inline: list[list[int]]) -> str | None:
 
 
 def parameter_bytes(model: Any) -> tuple[int, int]:
-    """The bytes of ``model``'s parameters (a tied weight once), and the part held by its vocabulary
-    tables (embeddings and LM heads): a forward reads every other weight whole, but only N rows of the
-    embedding, and vLLM applies the LM head after the forward."""
-    import torch
-
-    vocab_types: tuple[type, ...] = (torch.nn.Embedding,)
+    """:func:`bcg_bench.weights.parameter_bytes` with vLLM's vocabulary tables (``ParallelLMHead``
+    derives from ``VocabParallelEmbedding``)."""
     try:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-        vocab_types += (VocabParallelEmbedding,)  # ParallelLMHead derives from it
     except ImportError:
-        pass
-    vocab = {id(p) for m in model.modules() if isinstance(m, vocab_types) for p in m.parameters(recurse=False)}
-    total = vocab_total = 0
-    for p in model.parameters():  # each Parameter once, however many modules share it
-        size = p.numel() * p.element_size()
-        total += size
-        vocab_total += size if id(p) in vocab else 0
-    return total, vocab_total
-
-
-def copy_bandwidth_gbs(reps: int = 5, nbytes: int = COPY_BYTES) -> float:
-    """The median rate of a device-to-device copy of ``nbytes``, in GB/s of memory traffic (each
-    byte is read and written): the rate at which this GPU streams weights, measured on the device
-    and in the process that timed the forwards."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # the first copy pays for lazy initialisation
-    rates = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        rates.append(2 * nbytes / (start.elapsed_time(end) * 1e-3) / 1e9)
-    del src, dst
-    return statistics.median(rates)
+        return weights.parameter_bytes(model)
+    return weights.parameter_bytes(model, (VocabParallelEmbedding,))
 
 
 def profiling_capture(runner: Any, kwargs: dict) -> bool:

@@ -211,8 +211,73 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     assert first == {"kind": "capture", "rank": 0, "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
                      "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
                      "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64],
-                     "bcg_graph_variants": {"16": ["fresh"]}, "bcg_store_in_graph_layers": 3}
+                     "bcg_graph_variants": {"16": ["fresh"]}, "bcg_store_in_graph_layers": 3,
+                     "weight_bytes": None, "vocab_weight_bytes": None}  # no model runner: no weights
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
+
+
+def _tiny_model(tied: bool):
+    """An embedding (10 x 4), one 4 x 4 layer and an LM head of SGLang's vocabulary-parallel type
+    (built without a TP group), all float32; ``tied``: the head shares the embedding's weight."""
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.layer = torch.nn.Linear(4, 4, bias=False)
+    model.lm_head = ParallelLMHead.__new__(ParallelLMHead)
+    torch.nn.Module.__init__(model.lm_head)
+    model.lm_head.weight = model.embed.weight if tied else torch.nn.Parameter(torch.zeros(10, 4))
+    return model
+
+
+@pytest.mark.parametrize("tied, total, vocab", [(False, 96 * 4, 80 * 4), (True, 56 * 4, 40 * 4)])
+def test_the_capture_record_holds_the_ranks_weight_bytes_and_its_vocabulary_tables(monkeypatch, tmp_path, tied,
+                                                                                    total, vocab):
+    """The weight-read floor's numerator: every parameter once, the vocabulary tables (the embedding
+    and SGLang's LM head, which the timed forward does not read whole) apart. SGLang passes the
+    model runner by name or by position."""
+    path = tmp_path / "forwards.jsonl"
+    monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    runner = types.SimpleNamespace(model=_tiny_model(tied))
+    sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None), model_runner=runner, eager_runner=None)
+    sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None), runner, None)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["weight_bytes"], r["vocab_weight_bytes"]) for r in records] == [(total, vocab)] * 2
+
+
+def test_a_one_gpu_mode_reports_the_weight_read_floor_and_a_multi_gpu_one_does_not(monkeypatch, tmp_path):
+    """The capture record's weight bytes reach the result with the copy rate this process measures
+    once the engine is shut down; at tp > 1 a rank's share of the weights is no model's floor."""
+    from bcg_bench import sglang_mode
+
+    order = []
+
+    class FakeEngine:
+        def generate(self, input_ids, sampling_params):
+            return {}
+
+        def shutdown(self):
+            order.append("shutdown")
+
+    def start_engine(path, **kwargs):
+        monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+        sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None),
+                                                  model_runner=types.SimpleNamespace(model=_tiny_model(False)))
+        return FakeEngine()
+
+    def copy_rate():
+        order.append("copy")
+        return 3000.0
+
+    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+    monkeypatch.setattr(sglang_mode.weights, "copy_bandwidth_gbs", copy_rate)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = sglang_mode.run("native", "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
+    assert (result["weight_bytes"], result["vocab_weight_bytes"], result["copy_bandwidth_gbs"]) == (384, 320, 3000.0)
+    assert order == ["shutdown", "copy"]
+    order.clear()
+    result = sglang_mode.run("native", "qwen3-0.6b", [16], warmup=0, iters=1, seed=0, tp=2)
+    assert "weight_bytes" not in result and "copy_bandwidth_gbs" not in result and order == ["shutdown"]
 
 
 def _capture_result(runner: str, buckets: int | None, graph_attention=(), variants=None):

@@ -313,7 +313,7 @@ def _fake_engine(monkeypatch, stats: list):
     monkeypatch.setattr(bench.Timers, "install", lambda self: None)
     monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
     monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
-    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(bench.weights, "copy_bandwidth_gbs", lambda: 3000.0)
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     return bench
 
@@ -399,7 +399,7 @@ def test_a_bcg_attention_mode_whose_graphs_do_not_match_its_name_fails(monkeypat
     monkeypatch.setattr(bench.Timers, "install", lambda self: None)
     monkeypatch.setattr(bench.Timers, "last_forward", lambda self: None)
     monkeypatch.setattr(bench, "used_device_bytes", lambda: 0)
-    monkeypatch.setattr(bench, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(bench.weights, "copy_bandwidth_gbs", lambda: 3000.0)
     monkeypatch.setattr(vllm, "LLM", FakeLLM)
     if problem is None:
         result = bench.run(mode, "qwen3-0.6b", [16], reps=1, warmup=0)
@@ -485,12 +485,12 @@ def test_parameter_bytes_count_a_tied_weight_once_and_name_the_vocabulary_tables
 def test_copy_bandwidth_counts_the_bytes_read_and_written(monkeypatch):
     import torch
 
-    from bcg_bench import vllm_mode as bench
+    from bcg_bench import weights
 
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))  # on the CPU
     # The fake events read 1 ms per copy: 1 MB read and 1 MB written in 1 ms is 2 GB/s.
-    assert bench.copy_bandwidth_gbs(reps=3, nbytes=10**6) == pytest.approx(2.0)
+    assert weights.copy_bandwidth_gbs(reps=3, nbytes=10**6) == pytest.approx(2.0)
 
 
 def test_a_mode_that_pins_attention_fails_where_bcg_put_it_elsewhere():
