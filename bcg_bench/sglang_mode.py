@@ -14,9 +14,8 @@ around it (forward and sampling, ``step_ms``), and the rest of the request's tim
 :mod:`bcg_bench.harness`). Forward times and capture figures come from the bench's timers in the
 schedulers of the engine this process starts (:mod:`bcg_bench.sglang_timers`); so does
 ``host_profile`` under ``bcg bench --profile N`` (the forward of one extra N-token request under torch.profiler).
-At tp=1, dp=1 also the weight-read floor's figures: ``weight_bytes`` and ``vocab_weight_bytes`` from the
-scheduler's capture record, and ``copy_bandwidth_gbs``, a 1 GiB device copy timed in this process once
-the engine is shut down.
+At tp=1, dp=1 also the weight-read floor's figures, from the scheduler's capture record: ``weight_bytes``,
+``vocab_weight_bytes`` and ``copy_bandwidth_gbs`` (a 1 GiB device copy timed in the scheduler).
 A ``bcg`` engine in which some scheduler's capture record shows SGLang's own runner, or bcg's with no
 bucket captured, ends the process with one line before any request: its figures would be SGLang's;
 so does a ``bcg_graph`` engine whose buckets all kept attention an eager break (its figures would be
@@ -35,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bcg_bench import sglang_timers, weights
+from bcg_bench import sglang_timers
 from bcg_bench.hostspeed import HostSpeed
 from bcg_bench.order import interleaved
 from bcg_bench.profile import PROFILE_TOKENS_ENV
@@ -225,11 +224,9 @@ def _measure(record: Path, mode: str, model: str, sizes: list[int], warmup: int,
             step[str(n)] = statistics.median(worker)
     phases = request_phases(windows, served, steps)
     capture = (_records(record, "capture") or [{}])[-1]
-    # The weight-read floor, on one GPU only: the copy runs here, once the schedulers have freed the device.
-    floor = {}
-    if tp == 1 and dp == 1 and capture.get("weight_bytes"):
-        floor = {"weight_bytes": capture["weight_bytes"], "vocab_weight_bytes": capture.get("vocab_weight_bytes"),
-                 "copy_bandwidth_gbs": weights.copy_bandwidth_gbs()}
+    floor = {}  # the weight-read floor's figures, on one GPU only
+    if tp == 1 and dp == 1 and capture.get("weight_bytes") and capture.get("copy_bandwidth_gbs"):
+        floor = {key: capture.get(key) for key in ("weight_bytes", "vocab_weight_bytes", "copy_bandwidth_gbs")}
     return {
         "mode": mode,
         "size_order": "interleaved",

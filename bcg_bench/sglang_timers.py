@@ -33,7 +33,8 @@ They are four SGLang ``HookRegistry`` hooks, installed only in the schedulers of
 * ``capture_prefill_graph`` (AFTER): appends ``{"kind": "capture", ...}`` with SGLang's own
   accounting of the runner it built (free-memory delta and wall time), the same measurement for
   every prefill backend, plus bcg's pool and graph sizes and its count of captured buckets when
-  bcg's runner was built, and the rank's weight bytes (the weight-read floor's numerator).
+  bcg's runner was built, and the weight-read floor's figures: the rank's weight bytes and, in a
+  one-GPU engine, the rate of a device copy timed there.
 
 How they reach the schedulers: SGLang starts each scheduler (and, under DP attention, the DP
 controller that starts them) with multiprocessing *spawn*, calling ``Engine.run_scheduler_process_func``,
@@ -178,6 +179,23 @@ def around_stream_output(original_fn, self, reqs, *args, **kwargs):
     return out
 
 
+def _copy_bandwidth_gbs() -> float | None:
+    """:func:`bcg_bench.weights.copy_bandwidth_gbs` in a scheduler of a one-GPU engine, the process that
+    runs the forwards, right after its capture, while the device is busy with nothing else; the 2 GiB
+    it copies go back to the device at once. ``None`` across several GPUs (a rank's share of the
+    weights is no model's floor) or where the device has no room for the copy."""
+    import torch
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        return None
+    try:
+        return weights.copy_bandwidth_gbs()
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        torch.cuda.empty_cache()
+
+
 def _weight_bytes(model_runner: Any) -> tuple[int | None, int | None]:
     """This rank's weight bytes and the part in its vocabulary tables (:func:`bcg_bench.weights.parameter_bytes`
     with SGLang's ``VocabParallelEmbedding``, which its ``ParallelLMHead`` derives from); ``None``
@@ -217,6 +235,7 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "bcg_store_in_graph_layers": len(runner.host.stored_in_graph) if core is not None else None,
         "weight_bytes": weight_bytes,
         "vocab_weight_bytes": vocab_weight_bytes,
+        "copy_bandwidth_gbs": _copy_bandwidth_gbs() if weight_bytes else None,
     })
     return None
 

@@ -212,7 +212,8 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
                      "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
                      "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64],
                      "bcg_graph_variants": {"16": ["fresh"]}, "bcg_store_in_graph_layers": 3,
-                     "weight_bytes": None, "vocab_weight_bytes": None}  # no model runner: no weights
+                     "weight_bytes": None, "vocab_weight_bytes": None,  # no model runner: no weights
+                     "copy_bandwidth_gbs": None}
     assert second["runner"] == "PrefillCudaGraphRunner" and second["bcg_pool_gib"] is second["bcg_buckets"] is None
 
 
@@ -231,33 +232,52 @@ def _tiny_model(tied: bool):
 
 
 @pytest.mark.parametrize("tied, total, vocab", [(False, 96 * 4, 80 * 4), (True, 56 * 4, 40 * 4)])
-def test_the_capture_record_holds_the_ranks_weight_bytes_and_its_vocabulary_tables(monkeypatch, tmp_path, tied,
-                                                                                    total, vocab):
-    """The weight-read floor's numerator: every parameter once, the vocabulary tables (the embedding
-    and SGLang's LM head, which the timed forward does not read whole) apart. SGLang passes the
-    model runner by name or by position."""
+def test_the_capture_record_holds_the_weight_read_floors_figures(monkeypatch, tmp_path, tied, total, vocab):
+    """The floor's numerator: every parameter once, the vocabulary tables (the embedding and SGLang's
+    LM head, which the timed forward does not read whole) apart; its denominator: a device copy timed
+    in the scheduler, after which the copy's memory goes back to the device. SGLang passes the model
+    runner by name or by position."""
     path = tmp_path / "forwards.jsonl"
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+    emptied = []
+    monkeypatch.setattr(sglang_timers.weights, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     runner = types.SimpleNamespace(model=_tiny_model(tied))
     sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None), model_runner=runner, eager_runner=None)
     sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None), runner, None)
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [(r["weight_bytes"], r["vocab_weight_bytes"]) for r in records] == [(total, vocab)] * 2
+    assert [(r["weight_bytes"], r["vocab_weight_bytes"], r["copy_bandwidth_gbs"]) for r in records] == [
+        (total, vocab, 3000.0)] * 2
+    assert emptied == [True, True]
+
+
+@pytest.mark.parametrize("world, raises, expected", [(1, False, 3000.0), (2, False, None), (1, True, None)])
+def test_the_copy_rate_is_timed_on_one_gpu_only_and_where_the_copy_fits(monkeypatch, world, raises, expected):
+    """Across several GPUs a rank's share of the weights is no model's floor; a device without room
+    for the copy records no rate rather than failing the engine's start."""
+    def copy():
+        if raises:
+            raise torch.cuda.OutOfMemoryError("no room")
+        return 3000.0
+
+    monkeypatch.setattr(sglang_timers.weights, "copy_bandwidth_gbs", copy)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world)
+    assert sglang_timers._copy_bandwidth_gbs() == expected
 
 
 def test_a_one_gpu_mode_reports_the_weight_read_floor_and_a_multi_gpu_one_does_not(monkeypatch, tmp_path):
-    """The capture record's weight bytes reach the result with the copy rate this process measures
-    once the engine is shut down; at tp > 1 a rank's share of the weights is no model's floor."""
+    """The capture record's weight bytes and copy rate reach a one-GPU mode's result; at tp > 1 a
+    rank's share of the weights is no model's floor."""
     from bcg_bench import sglang_mode
-
-    order = []
 
     class FakeEngine:
         def generate(self, input_ids, sampling_params):
             return {}
 
         def shutdown(self):
-            order.append("shutdown")
+            pass
 
     def start_engine(path, **kwargs):
         monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
@@ -265,19 +285,14 @@ def test_a_one_gpu_mode_reports_the_weight_read_floor_and_a_multi_gpu_one_does_n
                                                   model_runner=types.SimpleNamespace(model=_tiny_model(False)))
         return FakeEngine()
 
-    def copy_rate():
-        order.append("copy")
-        return 3000.0
-
     monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
-    monkeypatch.setattr(sglang_mode.weights, "copy_bandwidth_gbs", copy_rate)
+    monkeypatch.setattr(sglang_timers.weights, "copy_bandwidth_gbs", lambda: 3000.0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = sglang_mode.run("native", "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
     assert (result["weight_bytes"], result["vocab_weight_bytes"], result["copy_bandwidth_gbs"]) == (384, 320, 3000.0)
-    assert order == ["shutdown", "copy"]
-    order.clear()
     result = sglang_mode.run("native", "qwen3-0.6b", [16], warmup=0, iters=1, seed=0, tp=2)
-    assert "weight_bytes" not in result and "copy_bandwidth_gbs" not in result and order == ["shutdown"]
+    assert "weight_bytes" not in result and "copy_bandwidth_gbs" not in result
 
 
 def _capture_result(runner: str, buckets: int | None, graph_attention=(), variants=None):
