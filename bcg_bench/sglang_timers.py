@@ -182,7 +182,7 @@ def around_stream_output(original_fn, self, reqs, *args, **kwargs):
 def _copy_bandwidth_gbs() -> float | None:
     """:func:`bcg_bench.weights.copy_bandwidth_gbs` in a scheduler of a one-GPU engine, the process that
     runs the forwards, right after its capture, while the device is busy with nothing else; the 2 GiB
-    it copies go back to the device at once. ``None`` across several GPUs (a rank's share of the
+    the 1 GiB copy holds (source and destination) go back to the device at once. ``None`` across several GPUs (a rank's share of the
     weights is no model's floor) or where the device has no room for the copy."""
     import torch
 
@@ -197,15 +197,16 @@ def _copy_bandwidth_gbs() -> float | None:
 
 
 def _weight_bytes(model_runner: Any) -> tuple[int | None, int | None]:
-    """This rank's weight bytes and the part in its vocabulary tables (:func:`bcg_bench.weights.parameter_bytes`
-    with SGLang's ``VocabParallelEmbedding``, which its ``ParallelLMHead`` derives from); ``None``
-    where the runner holds no model."""
+    """This rank's weight bytes and the part in the embedding table (:func:`bcg_bench.weights.parameter_bytes`
+    with SGLang's ``VocabParallelEmbedding``); the LM head counts as read, since SGLang's model forward,
+    which the forward timer times, computes the last token's logits. ``None`` where the runner holds
+    no model."""
     model = getattr(model_runner, "model", None)
     if model is None or not callable(getattr(model, "parameters", None)):
         return None, None
-    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
-    return weights.parameter_bytes(model, (VocabParallelEmbedding,))
+    return weights.parameter_bytes(model, (VocabParallelEmbedding,), read_types=(ParallelLMHead,))
 
 
 def after_capture_prefill_graph(result, *args, **kwargs):

@@ -78,9 +78,13 @@ def _scalar_ratio(modes: dict, key: str, mode: str, other: str, positive: bool =
 
 def weight_floor(data: dict) -> float | None:
     """The mode's weight-read floor in ms: the weights a forward reads (every parameter but the
-    vocabulary tables) at the device-copy rate its process measured; ``None`` unless it measured both."""
-    weights, vocab, rate = (data.get(k) for k in ("weight_bytes", "vocab_weight_bytes", "copy_bandwidth_gbs"))
-    if not weights or not rate:
+    vocabulary tables it does not read whole) at the fastest device-copy rate the mode's processes
+    measured (the rate pairs with the fastest forwards the run merged); ``None`` unless the mode
+    measured both, or where they leave no weight to read."""
+    weights, vocab = data.get("weight_bytes"), data.get("vocab_weight_bytes")
+    rates = [r.get("copy_bandwidth_gbs") for r in (data, *(data.get("rounds") or []))]
+    rate = max((r for r in rates if isinstance(r, (int, float)) and r > 0), default=None)
+    if not weights or rate is None or weights - (vocab or 0) <= 0:
         return None
     return (weights - (vocab or 0)) / (rate * 1e9) * 1e3
 
@@ -185,7 +189,7 @@ FIGURES = (f"Latency figures: the worst N of the median over rounds of per-round
            f"{MIN_PAIRS} rounds); scalar figures: each mode's minimum over rounds (seconds) or its first "
            "complete round (graph memory).")
 FLOOR_FIGURE = ("The weight-read floor's figure: the worst N of the forward (each N's fastest round) over the "
-                "floor its process measured.")
+                "floor at the fastest copy rate the mode's processes measured.")
 
 
 def markdown(engine: str, modes: dict, model: str = "qwen3-0.6b", parallel: dict | None = None,

@@ -433,7 +433,7 @@ def attention_problem(mode: str, inline: list[list[int]]) -> str | None:
 
 def parameter_bytes(model: Any) -> tuple[int, int]:
     """:func:`bcg_bench.weights.parameter_bytes` with vLLM's vocabulary tables (``ParallelLMHead``
-    derives from ``VocabParallelEmbedding``)."""
+    derives from ``VocabParallelEmbedding``): vLLM applies the LM head after the timed forward."""
     try:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     except ImportError:

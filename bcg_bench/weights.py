@@ -9,15 +9,22 @@ from typing import Any
 COPY_BYTES = 2**30  # the device copy that measures the bandwidth of the weight-read floor
 
 
-def parameter_bytes(model: Any, vocab_types: tuple[type, ...] = ()) -> tuple[int, int]:
-    """The bytes of ``model``'s parameters (a tied weight once), and the part held by its vocabulary
-    tables, modules of ``torch.nn.Embedding`` or of ``vocab_types`` (the engine's vocabulary-parallel
-    embedding, which its LM head derives from): a forward reads every other weight whole, but only N
-    rows of the embedding, and the engines apply the LM head after the timed forward."""
+def parameter_bytes(model: Any, vocab_types: tuple[type, ...] = (),
+                    read_types: tuple[type, ...] = ()) -> tuple[int, int]:
+    """The bytes of ``model``'s parameters (a tied weight once), and the part held by vocabulary
+    tables the timed forward does not read whole: modules of ``torch.nn.Embedding`` or of
+    ``vocab_types`` (an engine's vocabulary-parallel embedding, of which the forward reads N rows,
+    and the LM head derived from it, which an engine that applies it after the timed forward does
+    not read there), unless they are of ``read_types`` (an LM head the engine applies inside the
+    timed forward, read whole for the last token's logits; a weight it shares with the embedding is
+    then read whole too)."""
     import torch
 
     vocab_types = (torch.nn.Embedding, *vocab_types)
-    vocab = {id(p) for m in model.modules() if isinstance(m, vocab_types) for p in m.parameters(recurse=False)}
+    read = {id(p) for m in model.modules() if read_types and isinstance(m, read_types)
+            for p in m.parameters(recurse=False)}
+    vocab = {id(p) for m in model.modules() if isinstance(m, vocab_types)
+             for p in m.parameters(recurse=False)} - read
     total = vocab_total = 0
     for p in model.parameters():  # each Parameter once, however many modules share it
         size = p.numel() * p.element_size()

@@ -403,8 +403,18 @@ def test_the_8b_shape_is_checked_against_the_same_targets_and_the_weight_read_fl
     assert "- bcg (torch_compile false): 8 of 9 measured targets met" in large
 
 
+def test_the_floor_takes_the_fastest_copy_rate_of_the_modes_processes():
+    """The run merges each N's fastest forward over rounds, and the floor pairs it with the fastest
+    copy the mode's processes measured, not with the first round's alone."""
+    data = {"weight_bytes": 16 * 10**9, "vocab_weight_bytes": 2 * 10**9, "copy_bandwidth_gbs": 3500.0,
+            "rounds": [{"copy_bandwidth_gbs": 3500.0}, {"copy_bandwidth_gbs": 4000.0}, {"error": "exit code 1"}]}
+    assert targets.weight_floor(data) == pytest.approx(3.5)  # 14 GB at 4 TB/s
+    assert targets.weight_floor({**data, "vocab_weight_bytes": 16 * 10**9}) is None  # nothing left to read
+
+
 @pytest.mark.parametrize("change, figure", [
     (lambda m: m["bcg"]["forward_ms"].update({"16": 4.9}), "1.400 | no"),  # past the limit
+    (lambda m: m["bcg"].update(vocab_weight_bytes=16 * 10**9), "not measured | -"),  # no weight left to read
     (lambda m: m["bcg"]["forward_ms"].pop("16"), "not measured | -"),  # an N measured end to end only
     (lambda m: m["bcg"].update(copy_bandwidth_gbs=None), "not measured | -"),  # no bandwidth: no floor
 ])
@@ -586,7 +596,8 @@ def test_the_weight_read_floor_reaches_the_report_through_the_harness(tmp_path, 
     assert "| bcg_graph | 14.000 | 4000 | 3.500 |" in section
     assert "| 16 | 1.200 | 1.200 |" in section and "| 128 | 2.000 | 2.000 |" in section
     assert "| 256 |" not in section.split("\n##")[0]
-    data["copy_bandwidth_gbs"] = None  # a mode that did not measure it (tp > 1) has no floor
+    for r in (data, *data["rounds"]):  # a mode that did not measure it (tp > 1) has no floor
+        r["copy_bandwidth_gbs"] = None
     assert targets.weight_floor(data) is None
 
 
