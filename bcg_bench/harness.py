@@ -445,7 +445,7 @@ def _weight_floor_section(good: dict, sizes: list[str]) -> list[str]:
              f"shape: <= {targets.FLOOR_LIMIT:g} at every N <= {targets.FLOOR_MAX_TOKENS}.", "",
              "| mode | weights read GB | copy GB/s | floor ms |", "|---|---|---|---|"]
     for m, floor in floors.items():
-        read = good[m]["weight_bytes"] - (good[m].get("vocab_weight_bytes") or 0)
+        read = targets.weight_bytes_read(good[m])
         lines.append(f"| {m} | {_fmt(read / 1e9, 3)} | {_fmt(read / floor / 1e6, 0)} | {_fmt(floor, 3)} |")
     columns = {f"{m} forward / floor": {n: _ratio(good[m]["forward_ms"].get(n), f) for n in small}
                for m, f in floors.items()}

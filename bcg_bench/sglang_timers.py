@@ -180,10 +180,11 @@ def around_stream_output(original_fn, self, reqs, *args, **kwargs):
 
 
 def _copy_bandwidth_gbs() -> float | None:
-    """:func:`bcg_bench.weights.copy_bandwidth_gbs` in a scheduler of a one-GPU engine, the process that
-    runs the forwards, right after its capture, while the device is busy with nothing else; the 2 GiB
-    the 1 GiB copy holds (source and destination) go back to the device at once. ``None`` across several GPUs (a rank's share of the
-    weights is no model's floor) or where the device has no room for the copy."""
+    """:func:`bcg_bench.weights.copy_bandwidth_gbs` in a scheduler of a one-GPU engine, the process
+    that runs the forwards, right after its capture, while the device is busy with nothing else; the
+    2 GiB the 1 GiB copy holds (source and destination) go back to the device at once. ``None``
+    across several GPUs (a rank's share of the weights is no model's floor) or where the device has
+    no room for the copy."""
     import torch
 
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

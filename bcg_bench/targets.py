@@ -76,17 +76,24 @@ def _scalar_ratio(modes: dict, key: str, mode: str, other: str, positive: bool =
     return a / b
 
 
+def weight_bytes_read(data: dict) -> int | None:
+    """The bytes of weight the mode's timed forward reads whole: every parameter but the vocabulary
+    tables it does not read whole; ``None`` unless the mode recorded its weights and some are left."""
+    weights = data.get("weight_bytes")
+    read = weights - (data.get("vocab_weight_bytes") or 0) if weights else 0
+    return read if read > 0 else None
+
+
 def weight_floor(data: dict) -> float | None:
-    """The mode's weight-read floor in ms: the weights a forward reads (every parameter but the
-    vocabulary tables it does not read whole) at the fastest device-copy rate the mode's processes
-    measured (the rate pairs with the fastest forwards the run merged); ``None`` unless the mode
-    measured both, or where they leave no weight to read."""
-    weights, vocab = data.get("weight_bytes"), data.get("vocab_weight_bytes")
+    """The mode's weight-read floor in ms: :func:`weight_bytes_read` at the fastest device-copy rate
+    the mode's processes measured (the rate pairs with the fastest forwards the run merged); ``None``
+    unless the mode measured both."""
+    read = weight_bytes_read(data)
     rates = [r.get("copy_bandwidth_gbs") for r in (data, *(data.get("rounds") or []))]
     rate = max((r for r in rates if isinstance(r, (int, float)) and r > 0), default=None)
-    if not weights or rate is None or weights - (vocab or 0) <= 0:
+    if read is None or rate is None:
         return None
-    return (weights - (vocab or 0)) / (rate * 1e9) * 1e3
+    return read / (rate * 1e9) * 1e3
 
 
 def _over_floor(modes: dict, mode: str) -> float | None:
