@@ -292,8 +292,10 @@ def request_slots() -> int:
 
 def full_request_slots() -> int:
     """The request slots of the reference's (SGLang's full) prefill graphs: ``SUITE_SLOTS``, or
-    SGLang's own rule, chunk / 512 and at least 1."""
-    return SUITE_SLOTS if SUITE_SLOTS is not None else max(CHUNK // 512, 1)
+    SGLang's own rule."""
+    from bcg_plugin.adapters.sglang.graph_attention import sglang_request_slots
+
+    return SUITE_SLOTS if SUITE_SLOTS is not None else sglang_request_slots(CHUNK)
 
 
 def slots_layout(slots: int | None) -> dict | None:

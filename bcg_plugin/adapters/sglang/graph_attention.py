@@ -202,10 +202,16 @@ def breaking_buckets(buckets: list[int], slots: int) -> list[int]:
     return chosen
 
 
+def sglang_request_slots(chunk: int | None) -> int:
+    """The request slots SGLang's own full prefill graphs plan for where the operator set no
+    ``full_prefill_max_req``: chunked-prefill size / 512, at least 1."""
+    return max((chunk or 0) // 512, 1)
+
+
 def chunk_request_slots(chunk: int | None, kind: str) -> int:
     """``r`` on backend ``kind`` where the operator set no ``full_prefill_max_req``: SGLang's rule
-    (chunk / 512) raised to the backend's :data:`MIN_REQUEST_SLOTS`."""
-    return max((chunk or 0) // 512, MIN_REQUEST_SLOTS[kind])
+    (:func:`sglang_request_slots`) raised to the backend's :data:`MIN_REQUEST_SLOTS`."""
+    return max(sglang_request_slots(chunk), MIN_REQUEST_SLOTS[kind])
 
 
 def request_slots(model_runner: Any, chunk: int | None, top: int) -> int:
