@@ -296,6 +296,33 @@ def test_a_one_gpu_mode_reports_the_weight_read_floor_and_a_multi_gpu_one_does_n
     assert "weight_bytes" not in result and "copy_bandwidth_gbs" not in result
 
 
+def test_a_bcg_mode_reports_its_own_capture_seconds_and_bucket_count(monkeypatch, tmp_path):
+    """The capture per bucket target divides bcg's capture seconds by the buckets its runner captured:
+    both reach the mode's result from the scheduler's capture record."""
+    from bcg_bench import sglang_mode
+
+    class FakeEngine:
+        def generate(self, input_ids, sampling_params):
+            return {}
+
+        def shutdown(self):
+            pass
+
+    def start_engine(path, **kwargs):
+        monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+        result = _capture_result("BcgPrefillRunner", 56)
+        result.runner.core.stats.capture_seconds = 2.5
+        sglang_timers.after_capture_prefill_graph(result, model_runner=types.SimpleNamespace(model=None))
+        return FakeEngine()
+
+    for key in ("BCG_ATTENTION", "BCG_GRAPH_VARIANTS"):  # the mode process sets them for its schedulers
+        monkeypatch.setenv(key, "")
+    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = sglang_mode.run("bcg", "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
+    assert (result["bcg_capture_s"], result["bcg_buckets"]) == (2.5, 56)
+
+
 def _capture_result(runner: str, buckets: int | None, graph_attention=(), variants=None):
     """What SGLang's ``capture_prefill_graph`` returns: bcg's runner (its core's stats, the buckets
     keeping attention inside the graph and their variants) or SGLang's own."""
