@@ -268,25 +268,33 @@ def test_the_copy_rate_is_timed_on_one_gpu_only_and_where_the_copy_fits(monkeypa
     assert sglang_timers._copy_bandwidth_gbs() == expected
 
 
+class _FakeEngine:
+    """An engine whose requests return at once."""
+
+    def generate(self, input_ids, sampling_params):
+        return {}
+
+    def shutdown(self):
+        pass
+
+
+def _engine_that_captured(monkeypatch, captured, model=None) -> None:
+    """Make the mode script's engine start run the capture hook once on ``captured`` (what SGLang's
+    capture returned) with a runner holding ``model``, as a scheduler does, then serve instantly."""
+    def start_engine(path, **kwargs):
+        monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
+        sglang_timers.after_capture_prefill_graph(captured, model_runner=types.SimpleNamespace(model=model))
+        return _FakeEngine()
+
+    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+
+
 def test_a_one_gpu_mode_reports_the_weight_read_floor_and_a_multi_gpu_one_does_not(monkeypatch, tmp_path):
     """The capture record's weight bytes and copy rate reach a one-GPU mode's result; at tp > 1 a
     rank's share of the weights is no model's floor."""
     from bcg_bench import sglang_mode
 
-    class FakeEngine:
-        def generate(self, input_ids, sampling_params):
-            return {}
-
-        def shutdown(self):
-            pass
-
-    def start_engine(path, **kwargs):
-        monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
-        sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(runner=None),
-                                                  model_runner=types.SimpleNamespace(model=_tiny_model(False)))
-        return FakeEngine()
-
-    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
+    _engine_that_captured(monkeypatch, types.SimpleNamespace(runner=None), _tiny_model(False))
     monkeypatch.setattr(sglang_timers.weights, "copy_bandwidth_gbs", lambda: 3000.0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -301,23 +309,11 @@ def test_a_bcg_mode_reports_its_own_capture_seconds_and_bucket_count(monkeypatch
     both reach the mode's result from the scheduler's capture record."""
     from bcg_bench import sglang_mode
 
-    class FakeEngine:
-        def generate(self, input_ids, sampling_params):
-            return {}
-
-        def shutdown(self):
-            pass
-
-    def start_engine(path, **kwargs):
-        monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
-        result = _capture_result("BcgPrefillRunner", 56)
-        result.runner.core.stats.capture_seconds = 2.5
-        sglang_timers.after_capture_prefill_graph(result, model_runner=types.SimpleNamespace(model=None))
-        return FakeEngine()
-
+    captured = _capture_result("BcgPrefillRunner", 56)
+    captured.runner.core.stats.capture_seconds = 2.5
+    _engine_that_captured(monkeypatch, captured)
     for key in ("BCG_ATTENTION", "BCG_GRAPH_VARIANTS"):  # the mode process sets them for its schedulers
         monkeypatch.setenv(key, "")
-    monkeypatch.setattr(sglang_timers, "start_engine", start_engine)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = sglang_mode.run("bcg", "qwen3-0.6b", [16], warmup=0, iters=1, seed=0)
     assert (result["bcg_capture_s"], result["bcg_buckets"]) == (2.5, 56)
