@@ -131,6 +131,17 @@ def test_vllm_report_names_the_defaults_vllm_sets_under_the_users_keys():
     assert 'note: vLLM\'s defaults under the keys you set: {"warmup": "first_bucket", "torch_compile": true}' in out.getvalue()
 
 
+@pytest.mark.sglang
+def test_sglang_report_names_the_defaults_sglang_sets_under_the_users_variables():
+    pytest.importorskip("sglang")
+    rc, text = _run_env({"BCG_ENABLE": "1"}, engines=["sglang"])
+    sglang = _section(text, "sglang")
+    assert rc == 0 and "note: SGLang's defaults under the BCG_* variables you set: BCG_WARMUP=first_bucket" in sglang
+    assert '"warmup": "first_bucket"' in sglang
+    rc, text = _run_env({"BCG_ENABLE": "1", "BCG_WARMUP": "every_bucket"}, engines=["sglang"])
+    assert rc == 0 and '"warmup": "every_bucket"' in _section(text, "sglang")
+
+
 # -- each engine's configuration, checked by that engine's own start-up validation ----------------
 
 

@@ -190,6 +190,15 @@ def test_other_tools_variables_under_the_prefix_are_left_alone():
     assert config.read_config(env).active
 
 
+@pytest.mark.parametrize("env, warmup", [
+    ({"BCG_ENABLE": "1"}, "first_bucket"),  # SGLang's default
+    ({"BCG_ENABLE": "1", "BCG_WARMUP": "every_bucket"}, "every_bucket"),  # the user's variable wins
+])
+def test_sglang_warmup_default_sits_under_the_users_variables(env, warmup):
+    cfg = config.read_config(env)
+    assert cfg.warmup == warmup and cfg.active
+
+
 def test_config_defaults_off_and_reads_env():
     assert not config.read_config({}).active
     cfg = config.read_config({"BCG_ENABLE": "1", "BCG_SIZES": "64,16,32", "BCG_MAX_TOKENS": "64"})

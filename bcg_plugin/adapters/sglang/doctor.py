@@ -25,6 +25,8 @@ def diagnose() -> AdapterReport:
     if problem is not None:
         report.problems.append(problem)
     report.untested = version.untested()
+    defaults = ", ".join(f"{ENV_PREFIX}{key.upper()}={value}" for key, value in config.SGLANG_DEFAULTS.items())
+    report.notes.append(f"SGLang's defaults under the BCG_* variables you set: {defaults}")
     report.verify_targets(_patch_set(runtime=True), calls())
     note = memory_saver_note()
     if note is not None:
