@@ -23,9 +23,9 @@ STATS_INTERVAL_ENV = "BCG_STATS_INTERVAL_S"  # seconds between stats log lines; 
 DEFAULT_STATS_INTERVAL_S = 60.0
 
 # Where SGLang's defaults differ from the core's, each overridden by its own ``BCG_*`` variable.
-# ``first_bucket`` brings the capture's eager warm-ups from one per bucket to one or two; the
-# 200-prompt GPU tests and their negative control pass under it on every attention backend the
-# adapter serves (docs/validation.md).
+# ``first_bucket`` brings the capture's eager warm-ups from one per bucket to one per kind of graph
+# (attention breaking, attention inside, each variant); the 200-prompt GPU tests and their negative
+# controls pass under it on every attention backend the adapter serves (docs/validation.md).
 SGLANG_DEFAULTS = {"warmup": "first_bucket"}
 
 
