@@ -52,7 +52,7 @@ class BcgConfig:
             ``"first_bucket"`` warms up only the first (largest) bucket, and the first with attention
             inside the graph where larger ones break, and captures the others directly, retrying a
             bucket after its own warm-up if its direct capture fails. Both adapters default to
-            ``"first_bucket"``, verified by their engine tests.
+            ``"first_bucket"``; docs/validation.md lists the engine tests run under it.
         torch_compile: keep the host's torch.compile of the model body and capture the compiled code
             (attention where ``attention`` puts it), so graph-bound sizes get the compiler's fused kernels
             too. vLLM only (its piecewise compilation already splits the body at attention); off,

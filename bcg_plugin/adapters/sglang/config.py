@@ -25,7 +25,8 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 # Where SGLang's defaults differ from the core's, each overridden by its own ``BCG_*`` variable.
 # ``first_bucket`` brings the capture's eager warm-ups from one per bucket to one per kind of graph
 # (attention breaking, attention inside, each variant); the 200-prompt GPU tests and their negative
-# controls pass under it on every attention backend the adapter serves (docs/validation.md).
+# controls pass under it on triton, and on flashinfer and fa3 at ``attention: "auto"``
+# (docs/validation.md).
 SGLANG_DEFAULTS = {"warmup": "first_bucket"}
 
 
@@ -41,7 +42,7 @@ def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:
     env = os.environ if environ is None else environ
     check_env_spelling(env, env_names())
     defaults = {ENV_PREFIX + key.upper(): value for key, value in SGLANG_DEFAULTS.items()}
-    config = BcgConfig.from_env({**defaults, **env})
+    config = BcgConfig.from_env({**defaults, **env}) or BcgConfig()
     if config.torch_compile:
         raise BcgConfigError(
             "environment (BCG_*): 'torch_compile' is supported with vLLM only; bcg on SGLang captures the "
