@@ -229,6 +229,7 @@ def after_capture_prefill_graph(result, *args, **kwargs):
         "bcg_graph_gib": core.stats.graph_bytes / 2**30 if core is not None else None,
         "bcg_capture_s": core.stats.capture_seconds if core is not None else None,
         "bcg_warmup_s": core.stats.warmup_seconds if core is not None else None,
+        "bcg_config": core.config.to_dict() if core is not None else None,
         # bcg's runner is built before it captures; one whose capture failed serves eagerly.
         "bcg_buckets": core.stats.buckets_captured if core is not None else None,
         "bcg_graph_attention_buckets": sorted(core.graph_attention) if core is not None else None,

@@ -40,8 +40,10 @@ device-to-device copy moves per second (bytes read plus written) in the same pro
 timed requests: the report's weight-read floor of a forward. With
 ``bcg bench --profile N`` (tp=1, dp=1), ``host_profile``: the forward of one extra N-token request
 under ``torch.profiler`` (:mod:`bcg_bench.profile`). The bcg modes also record ``bcg_stats`` (each
-serving runner's summary line), ``bcg_buckets`` and ``bcg_capture_s`` (the buckets bcg captured
-and the seconds it took, which the capture seconds per bucket target reads), ``bcg_graph_gib``
+serving runner's summary line), ``bcg_resolved_config`` (the config the engine ran with, vLLM's
+defaults under the bench's keys), ``bcg_buckets`` and ``bcg_capture_s`` (the buckets bcg captured
+and the seconds it took, which the capture seconds per bucket target reads), ``bcg_warmup_s``
+(the warm-up forwards' part of those seconds), ``bcg_graph_gib``
 (the device memory bcg's own buckets took, the rest of ``graph_mem_gib`` being vLLM's decode
 graphs) and, where the runtime reports them, ``graph_attention_buckets``.
 
@@ -391,6 +393,10 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
                            "(vLLM's request metrics) ends with the prefill step")
     if mode in BCG_MODES:
         result["bcg_config"] = kwargs["additional_config"]["bcg"]
+        from bcg_plugin.adapters.vllm.config import validate
+
+        # What the engine ran with: the adapter's defaults under the keys the bench gave.
+        result["bcg_resolved_config"] = validate(result["bcg_config"]).to_dict()
         stats = [s for rank in llm.collective_rpc("bcg_stats") for s in rank]
         result["bcg_stats"] = [s["summary"] for s in stats]
         if not result["bcg_stats"]:
@@ -403,6 +409,9 @@ def run(mode: str, model: str, sizes: list[int], reps: int, warmup: int, tp: int
         seconds = [s["capture_seconds"] for s in stats if s.get("capture_seconds") is not None]
         if seconds:  # bcg's own part of capture_s (vLLM's decode graphs are the rest)
             result["bcg_capture_s"] = max(seconds)
+        warm = [s["warmup_seconds"] for s in stats if s.get("warmup_seconds") is not None]
+        if warm:  # the part of bcg_capture_s spent in eager warm-up forwards
+            result["bcg_warmup_s"] = max(warm)
         graph = [s["graph_bytes"] for s in stats if s.get("graph_bytes") is not None]
         if graph:  # bcg's own part of graph_mem_gib, as its capture summary measured it
             result["bcg_graph_gib"] = max(graph) / 2**30

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("sglang")
 
 from bcg_bench import sglang_timers  # noqa: E402
+from bcg_plugin import BcgConfig  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -71,7 +72,8 @@ def test_forward_records_name_the_graph_variant_bcg_replayed_in(monkeypatch, tmp
                                batch_size=1)
     stats = types.SimpleNamespace(replays_by_variant=collections.Counter({"fresh": 4}), pool_bytes=0, graph_bytes=0,
                                   capture_seconds=0.0, warmup_seconds=0.0, buckets_captured=1)
-    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({16}), graph_variants={16: ("fresh",)})
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({16}), graph_variants={16: ("fresh",)},
+                                 config=BcgConfig(enable=True))
     sglang_timers.after_capture_prefill_graph(types.SimpleNamespace(
         runner=type("BcgPrefillRunner", (), {"core": core, "host": types.SimpleNamespace(stored_in_graph=set())})()))
 
@@ -199,7 +201,8 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     monkeypatch.setenv(sglang_timers.RECORD_ENV, str(path))
     stats = types.SimpleNamespace(pool_bytes=2**30, graph_bytes=2**29, capture_seconds=1.5, warmup_seconds=0.5,
                                   buckets_captured=56)
-    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({64, 16}), graph_variants={16: ("fresh",)})
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset({64, 16}), graph_variants={16: ("fresh",)},
+                                 config=BcgConfig(enable=True, max_tokens=64, warmup="first_bucket"))
     host = types.SimpleNamespace(stored_in_graph={0, 1, 2})
     bcg = types.SimpleNamespace(runner=type("BcgPrefillRunner", (), {"core": core, "host": host})(),
                                 memory_usage_gb=0.75, capture_time=2.0)
@@ -210,6 +213,7 @@ def test_the_capture_record_names_the_runner_and_bcgs_figures(monkeypatch, tmp_p
     first, second = (json.loads(line) for line in path.read_text().splitlines())
     assert first == {"kind": "capture", "rank": 0, "runner": "BcgPrefillRunner", "memory_gib": 0.75, "seconds": 2.0,
                      "bcg_pool_gib": 1.0, "bcg_graph_gib": 0.5, "bcg_capture_s": 1.5, "bcg_warmup_s": 0.5,
+                     "bcg_config": BcgConfig(enable=True, max_tokens=64, warmup="first_bucket").to_dict(),
                      "bcg_buckets": 56, "bcg_graph_attention_buckets": [16, 64],
                      "bcg_graph_variants": {"16": ["fresh"]}, "bcg_store_in_graph_layers": 3,
                      "weight_bytes": None, "vocab_weight_bytes": None,  # no model runner: no weights
@@ -324,7 +328,8 @@ def _capture_result(runner: str, buckets: int | None, graph_attention=(), varian
     keeping attention inside the graph and their variants) or SGLang's own."""
     stats = types.SimpleNamespace(pool_bytes=0, graph_bytes=0, capture_seconds=0.0, warmup_seconds=0.0,
                                   buckets_captured=buckets)
-    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention), graph_variants=variants or {})
+    core = types.SimpleNamespace(stats=stats, graph_attention=frozenset(graph_attention), graph_variants=variants or {},
+                                 config=BcgConfig(enable=True))
     attrs = {} if buckets is None else {"core": core, "host": types.SimpleNamespace(stored_in_graph=set())}
     return types.SimpleNamespace(runner=type(runner, (), attrs)(), memory_usage_gb=0.0, capture_time=0.0)
 

@@ -418,13 +418,17 @@ def test_a_bcg_mode_records_how_many_buckets_bcg_captured(monkeypatch, captured)
     from bcg_plugin.adapters.vllm.metrics import stats_dict
     from bcg_plugin.stats import RuntimeStats
 
-    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0, capture_seconds=1.5, graph_bytes=3 * 2**28))
+    runtime = stats_dict(RuntimeStats(buckets_captured=captured or 0, capture_seconds=1.5, warmup_seconds=0.25,
+                                      graph_bytes=3 * 2**28))
     if captured is None:
-        del runtime["buckets"], runtime["capture_seconds"], runtime["graph_bytes"]
+        del runtime["buckets"], runtime["capture_seconds"], runtime["warmup_seconds"], runtime["graph_bytes"]
     bench = _fake_engine(monkeypatch, [[runtime]])
     result = bench.run("bcg", "qwen3-0.6b", [16], reps=1, warmup=0)
     assert result.get("bcg_buckets") == captured
     assert result.get("bcg_capture_s") == (1.5 if captured else None)  # bcg's part of the capture only
+    assert result.get("bcg_warmup_s") == (0.25 if captured else None)  # and the warm-ups' part of that
+    # the config the engine ran with: vLLM's defaults under the keys the bench gave
+    assert result["bcg_resolved_config"]["warmup"] == "first_bucket" and result["bcg_resolved_config"]["enable"]
     assert result.get("bcg_graph_gib") == (0.75 if captured else None)  # and of the graph memory
 
 
