@@ -143,10 +143,11 @@ class PrefillGraphRunner:
             self.stats.graph_attention_buckets = sorted(self.graph_attention)
             self.stats.variant_graphs = len(self._variant_graphs)
             logger.info(
-                "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s (warm-up forwards %.2f s), "
-                "graph memory %.3f GiB (pool %.3f GiB); %s",
+                "bcg: captured %d prefill buckets (%d..%d tokens) in %.2f s (warm-up forwards %.2f s, "
+                "warmup: %s), graph memory %.3f GiB (pool %.3f GiB); %s",
                 len(self._graphs), self.buckets[0], self.buckets[-1], self.stats.capture_seconds,
-                self.stats.warmup_seconds, self.stats.graph_bytes / 2**30, self.stats.pool_bytes / 2**30,
+                self.stats.warmup_seconds, self.config.warmup, self.stats.graph_bytes / 2**30,
+                self.stats.pool_bytes / 2**30,
                 attention_summary(self.buckets, self.graph_attention, self.graph_variants),
             )
             return

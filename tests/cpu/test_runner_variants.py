@@ -100,6 +100,14 @@ def test_each_variant_is_captured_after_its_bucket_and_warmed_up_the_first_time(
     assert runner.stats.buckets_captured == 3 and runner.stats.variant_graphs == 2
 
 
+@pytest.mark.parametrize("warmup", ["every_bucket", "first_bucket"])
+def test_the_capture_summary_names_the_warmup_policy(warmup, caplog):
+    runner = _runner(_Host(), [], BcgConfig(enable=True, sizes=SIZES, warmup=warmup))
+    with caplog.at_level("INFO", logger="bcg_plugin"):
+        runner.capture(progress=False)
+    assert "captured 3 prefill buckets (16..64 tokens) in " in caplog.text and f"warmup: {warmup})" in caplog.text
+
+
 def test_the_variant_named_at_replay_is_the_graph_that_runs():
     log = []
     runner = _replayable(_runner(_Host(variants={16: ["fresh"]}), log))
