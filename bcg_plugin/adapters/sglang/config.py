@@ -28,6 +28,7 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 # controls pass under it on triton, and on flashinfer and fa3 at ``attention: "auto"``
 # (docs/validation.md).
 SGLANG_DEFAULTS = {"warmup": "first_bucket"}
+SGLANG_DEFAULT_ENV = {ENV_PREFIX + key.upper(): value for key, value in SGLANG_DEFAULTS.items()}
 
 
 def env_names() -> set[str]:
@@ -41,8 +42,7 @@ def read_config(environ: Mapping[str, str] | None = None) -> BcgConfig:
     :class:`BcgConfigError` naming the key."""
     env = os.environ if environ is None else environ
     check_env_spelling(env, env_names())
-    defaults = {ENV_PREFIX + key.upper(): value for key, value in SGLANG_DEFAULTS.items()}
-    config = BcgConfig.from_env({**defaults, **env}) or BcgConfig()
+    config = BcgConfig.from_env({**SGLANG_DEFAULT_ENV, **env}) or BcgConfig()
     if config.torch_compile:
         raise BcgConfigError(
             "environment (BCG_*): 'torch_compile' is supported with vLLM only; bcg on SGLang captures the "

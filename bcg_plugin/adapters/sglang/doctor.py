@@ -25,7 +25,7 @@ def diagnose() -> AdapterReport:
     if problem is not None:
         report.problems.append(problem)
     report.untested = version.untested()
-    defaults = ", ".join(f"{ENV_PREFIX}{key.upper()}={value}" for key, value in config.SGLANG_DEFAULTS.items())
+    defaults = ", ".join(f"{name}={value}" for name, value in config.SGLANG_DEFAULT_ENV.items())
     report.notes.append(f"SGLang's defaults under the BCG_* variables you set: {defaults}")
     report.verify_targets(_patch_set(runtime=True), calls())
     note = memory_saver_note()
