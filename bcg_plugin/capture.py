@@ -13,17 +13,13 @@ first segment runs its pre-capture cleanup (device synchronise, ``empty_cache`` 
 cache flush). Between two segments of one bucket only an eager break has run, so there is nothing
 to free; repeating the cleanup before each of a bucket's ~30 segments was most of capture time,
 and flushing the pinned-host cache hundreds of times makes the host's next steps re-pin memory.
-That cleanup also runs a full garbage collection, which walks every object of the engine's process
-(hundreds of thousands) once per bucket; :func:`frozen_gc` keeps all but the capture's own objects
-out of it, as both hosts do around their own graph captures.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -96,26 +92,6 @@ if not callable(getattr(breakable_graph, "_new_graph_ctx", None)) or not {"fn", 
         getattr(_EagerSegment, "__slots__", ())):  # pragma: no cover - pinned dependency
     raise ImportError("bcg_plugin needs breakable-cuda-graphs 0.1.0 (breakable_graph._new_graph_ctx or "
                       "_EagerSegment's fn/args/kwargs are missing)")
-
-
-@contextlib.contextmanager
-def frozen_gc() -> Iterator[None]:
-    """Collect once, then leave every object that exists out of later collections until the block ends.
-
-    ``torch.cuda.graph`` collects before each capture it enters; frozen, such a collection walks
-    only what was made since, as in vLLM's and SGLang's own capture loops (``freeze_gc``). Where
-    objects are frozen already (the host's capture loop around this one, or a freeze the host
-    made at start-up), that freeze stands: it is neither extended nor undone here.
-    """
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def default_capture_stream(device: torch.device) -> torch.cuda.Stream | None:

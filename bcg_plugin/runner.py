@@ -13,8 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bcg_plugin import live
-from bcg_plugin.capture import (SegmentedGraph, capture_segments, check_torch_version, default_capture_stream,
-                                 frozen_gc)
+from bcg_plugin.capture import SegmentedGraph, capture_segments, check_torch_version, default_capture_stream
 from bcg_plugin.config import BcgConfig
 from bcg_plugin.dist import CaptureStatus, agree_capture_status, dp_bucket
 from bcg_plugin.errors import BcgCaptureError, BcgCaptureOOM, BcgConfigError, BcgError, BcgStateError
@@ -278,8 +277,7 @@ class PrefillGraphRunner:
 
         ``buckets`` may be a function, called after the setup (which plans the buckets' attention).
         The setup vote comes before any warm-up: a rank whose setup failed must not leave the
-        others waiting in the first warm-up's collectives, which it would never join. The buckets
-        are captured with the garbage collector's objects frozen (:func:`~bcg_plugin.capture.frozen_gc`).
+        others waiting in the first warm-up's collectives, which it would never join.
         """
         group = self._hook.bcg_world_group()
         stream, world, error = _agreed(self._prepare_capture, group)
@@ -287,8 +285,7 @@ class PrefillGraphRunner:
             raise error
         if world is not CaptureStatus.OK:
             raise _PeerCaptureFailure(world)
-        with frozen_gc():
-            self._capture_buckets(buckets() if callable(buckets) else buckets, stream, group, progress, after_each)
+        self._capture_buckets(buckets() if callable(buckets) else buckets, stream, group, progress, after_each)
 
     def _prepare_capture(self) -> torch.cuda.Stream:
         """Static input buffers at the top bucket's size, the padded-row flags, the graph pool, the capture stream."""
