@@ -169,7 +169,7 @@ class BcgConfig:
         env = os.environ if environ is None else environ
         raw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            name = ENV_PREFIX + f.name.upper()
+            name = env_name(f.name)
             if name in env:
                 text = env[name].strip()
                 raw[f.name] = _env_sizes(text, name) if f.name == "sizes" else text
@@ -191,9 +191,14 @@ class BcgConfig:
         return d
 
 
+def env_name(key: str) -> str:
+    """The ``BCG_*`` variable that sets config key ``key`` (``max_tokens``: ``BCG_MAX_TOKENS``)."""
+    return ENV_PREFIX + key.upper()
+
+
 def config_env_names() -> set[str]:
     """The ``BCG_*`` variables :meth:`BcgConfig.from_env` reads."""
-    return {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(BcgConfig)}
+    return {env_name(f.name) for f in dataclasses.fields(BcgConfig)}
 
 
 # How alike (difflib's ratio) an unread ``BCG_*`` name must be to a read one to be taken for its
@@ -315,6 +320,6 @@ def reference_markdown() -> str:
     for f in dataclasses.fields(BcgConfig):
         default = json.dumps(list(f.default) if isinstance(f.default, tuple) else f.default)
         rows.append(
-            f"| `{f.name}` | {str(f.type).replace(' | ', ' or ')} | `{default}` | `{ENV_PREFIX}{f.name.upper()}` | {described.get(f.name, '')} |"
+            f"| `{f.name}` | {str(f.type).replace(' | ', ' or ')} | `{default}` | `{env_name(f.name)}` | {described.get(f.name, '')} |"
         )
     return "\n".join(rows) + "\n"

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 
 from bcg_plugin import BcgConfig, BcgConfigError
-from bcg_plugin.config import ENV_PREFIX, check_env_spelling, config_env_names
+from bcg_plugin.config import check_env_spelling, config_env_names, env_name
 from bcg_plugin.faults import FAULTS_ENV
 from bcg_plugin.versions import UNTESTED_ENV
 
@@ -28,7 +28,7 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 # controls pass under it on triton, and on flashinfer and fa3 at ``attention: "auto"``
 # (docs/validation.md).
 SGLANG_DEFAULTS = {"warmup": "first_bucket"}
-SGLANG_DEFAULT_ENV = {ENV_PREFIX + key.upper(): value for key, value in SGLANG_DEFAULTS.items()}
+SGLANG_DEFAULT_ENV = {env_name(key): value for key, value in SGLANG_DEFAULTS.items()}
 
 
 def env_names() -> set[str]:

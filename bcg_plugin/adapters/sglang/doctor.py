@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bcg_plugin import BREAKING
-from bcg_plugin.config import ENV_PREFIX, BcgConfig
+from bcg_plugin.config import ENV_PREFIX, BcgConfig, env_name
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
 
@@ -79,7 +79,7 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     ignored = [unknown_env_key(name, known) for name in sorted(environ)
                if name.startswith(ENV_PREFIX) and name not in known]
     if isinstance(raw, dict):
-        ignored += [f"--config key {key!r} (SGLang reads the environment: {ENV_PREFIX}{str(key).upper()})"
+        ignored += [f"--config key {key!r} (SGLang reads the environment: {env_name(str(key))})"
                     for key in raw]
     elif raw is not None:
         ignored.append("--config (SGLang reads BCG_* environment variables, not JSON)")

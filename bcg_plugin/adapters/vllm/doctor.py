@@ -11,7 +11,7 @@ from typing import Any
 
 from bcg_plugin.adapters.vllm.config import BREAKABLE_ENV, SOURCE, SUPPORTED_BACKENDS, VLLM_DEFAULTS, validate
 from bcg_plugin.adapters.vllm.metrics import METRICS_ENV, METRICS_NOTE
-from bcg_plugin.config import ENV_PREFIX, BcgConfig
+from bcg_plugin.config import ENV_PREFIX, BcgConfig, env_name
 from bcg_plugin.doctor import AdapterReport, ConfigCheck, unknown_env_key
 from bcg_plugin.errors import BcgConfigError
 from bcg_plugin.faults import FAULTS_ENV
@@ -119,7 +119,7 @@ def check_config(raw: Any, environ: Mapping[str, str]) -> ConfigCheck:
     """``raw`` as ``additional_config["bcg"]``, validated as engine start does; vLLM reads no ``BCG_*``
     variable for its configuration, so each one set is named as ignored, as is ``graph_variants``,
     which nothing on vLLM acts on."""
-    keys = {ENV_PREFIX + f.name.upper(): f.name for f in dataclasses.fields(BcgConfig)}
+    keys = {env_name(f.name): f.name for f in dataclasses.fields(BcgConfig)}
     ignored = [(f"{name} (vLLM reads only {SOURCE}: give {json.dumps(keys[name])} in --config JSON)" if name in keys
                 else unknown_env_key(name, set(keys)))
                for name in sorted(environ) if name.startswith(ENV_PREFIX) and name not in (FAULTS_ENV, UNTESTED_ENV)]
