@@ -25,8 +25,8 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 # Where SGLang's defaults differ from the core's, each overridden by its own ``BCG_*`` variable.
 # ``first_bucket`` brings the capture's eager warm-ups from one per bucket to one per kind of graph
 # (attention breaking, attention inside, each variant); the 200-prompt GPU tests and their negative
-# controls pass under it on triton, and on flashinfer and fa3 at ``attention: "auto"``
-# (docs/validation.md).
+# controls pass under it on triton, on flashinfer at ``attention: "auto"``, and on fa3 at
+# ``"auto"`` and ``"break"`` (docs/validation.md).
 SGLANG_DEFAULTS = {"warmup": "first_bucket"}
 SGLANG_DEFAULT_ENV = {env_name(key): value for key, value in SGLANG_DEFAULTS.items()}
 
