@@ -270,12 +270,12 @@ class Timers:
 
 def bench_bcg_config(environ: dict | None = None) -> dict:
     """The ``bcg`` mode's config: enabled, plus any key set as a ``BCG_*`` variable (as SGLang reads them)."""
-    from bcg_plugin.config import ENV_PREFIX, BcgConfig
+    from bcg_plugin.config import BcgConfig, env_name
 
     env = os.environ if environ is None else environ
     chosen = BcgConfig.from_env(env)
     values = chosen.to_dict() if chosen is not None else {}
-    return {**{k: v for k, v in values.items() if ENV_PREFIX + k.upper() in env}, "enable": True}
+    return {**{k: v for k, v in values.items() if env_name(k) in env}, "enable": True}
 
 
 def engine_kwargs(mode: str, model: str, sizes: list[int], tp: int = 1, dp: int = 1) -> dict:
