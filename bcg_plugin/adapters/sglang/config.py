@@ -26,7 +26,7 @@ DEFAULT_STATS_INTERVAL_S = 60.0
 # ``first_bucket`` brings the capture's eager warm-ups from one per bucket to one per kind of graph
 # (attention breaking, attention inside, each variant); the 200-prompt GPU tests and their negative
 # controls pass under it on triton, on flashinfer at ``attention: "auto"``, and on fa3 at
-# ``"auto"`` and ``"break"`` (docs/validation.md).
+# ``"auto"``, ``"graph"`` and ``"break"`` (docs/validation.md).
 SGLANG_DEFAULTS = {"warmup": "first_bucket"}
 SGLANG_DEFAULT_ENV = {env_name(key): value for key, value in SGLANG_DEFAULTS.items()}
 
