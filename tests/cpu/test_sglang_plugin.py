@@ -476,6 +476,24 @@ def test_a_breaking_variants_replay_plans_attention_as_a_breaking_bucket_does(mo
     assert planned == [("eager", 3), ("graph", None), ("graph", "fresh"), ("eager", 3)]
 
 
+def test_the_forward_context_signature_is_read_once_not_per_replay(monkeypatch):
+    """Every replay enters the batch's forward context twice (attention plan, logits tail); whether
+    SGLang's ``forward_context`` takes the batch is read from its signature once, not per replay."""
+    from sglang.srt.model_executor.forward_context import forward_context
+
+    from bcg_plugin.adapters.sglang import host
+
+    reads = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn, *a, **k: reads.append(fn) or signature(fn, *a, **k))
+    runner = types.SimpleNamespace(attn_backend=None)
+    batch = types.SimpleNamespace(moe_num_token_non_padded=None)  # what SGLang 0.5.23's context reads
+    for _ in range(3):
+        with host.batch_forward_context(runner, batch):
+            pass
+    assert reads.count(forward_context) <= 1  # none where an earlier test's forward read it already
+
+
 def test_a_step_with_more_requests_than_the_slots_runs_eagerly_where_no_larger_bucket_breaks():
     r = graph_attention_runner({16, 32, 64}, slots=2)  # "graph": every bucket
     assert not r.can_run_graph(fake_batch(12, requests=3))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any
 
@@ -219,8 +220,8 @@ class SglangHost:
             set_forward_batch, prefill_graph_scope = scoped
             contexts += [set_forward_batch(fb), prefill_graph_scope(full_graph=False)]
         ctx = ForwardContext(attn_backend=mr.attn_backend)
-        takes_batch = "forward_batch" in inspect.signature(forward_context).parameters
-        contexts.append(forward_context(ctx, forward_batch=fb) if takes_batch else forward_context(ctx))
+        contexts.append(forward_context(ctx, forward_batch=fb) if _takes_batch(forward_context)
+                        else forward_context(ctx))
         contexts.append(set_tc_piecewise_forward_context(
             fb,
             mr.attention_layers,
@@ -285,9 +286,17 @@ def batch_forward_context(model_runner: Any, fb: Any) -> Any:
     does neither inside one, and neither does bcg."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-    if "forward_batch" not in inspect.signature(forward_context).parameters:
+    if not _takes_batch(forward_context):
         return contextlib.nullcontext()
     return forward_context(ForwardContext(attn_backend=model_runner.attn_backend), forward_batch=fb)
+
+
+@functools.cache
+def _takes_batch(forward_context: Any) -> bool:
+    """Whether SGLang's ``forward_context`` takes the batch (0.5.23 on). Asked twice in every replay
+    (the attention plan and the logits tail): the signature is read once per process, not on the
+    host path every small step waits on."""
+    return "forward_batch" in inspect.signature(forward_context).parameters
 
 
 def tp_group(model_runner: Any) -> Any:
